@@ -1,0 +1,55 @@
+"""`dgemma debug ...`: fixed-interface entry points that external checks rely on."""
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(help="Debugging entry points (fixed interfaces).", no_args_is_help=True)
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated token ids, got {text!r}") from None
+
+
+@app.command("logits")
+def logits(
+    model: Path = typer.Argument(..., help="GGUF file"),
+    prompt_ids: str = typer.Option(..., "--prompt-ids", help="comma-separated prompt token ids"),
+    canvas_ids: str = typer.Option(..., "--canvas-ids", help="comma-separated canvas token ids"),
+    sc_logits: Optional[Path] = typer.Option(None, "--sc-logits", help=".npy of the previous step's raw logits"),
+    sc_temperature: float = typer.Option(1.0, "--sc-temperature", help="temperature applied to --sc-logits"),
+    out: Path = typer.Option(..., "--out", help="output .npy, float32 [canvas_len, vocab]"),
+    threads: Optional[int] = typer.Option(None, "--threads"),
+) -> None:
+    """Write the softcapped decoder logits for one denoising step (prompt encoded first)."""
+    from dgemma_engine.debug import debug_logits
+
+    debug_logits(model, parse_ids(prompt_ids), parse_ids(canvas_ids), sc_logits, sc_temperature, out, threads)
+
+
+@app.command("generate")
+def generate(
+    model: Path = typer.Argument(..., help="GGUF file"),
+    prompt_ids: str = typer.Option(..., "--prompt-ids"),
+    seed: int = typer.Option(0, "--seed"),
+    rng: str = typer.Option("fast", "--rng", help="torch | fast"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    steps: Optional[int] = typer.Option(None, "--steps"),
+    t_max: Optional[float] = typer.Option(None, "--t-max"),
+    t_min: Optional[float] = typer.Option(None, "--t-min"),
+    entropy_bound: Optional[float] = typer.Option(None, "--entropy-bound"),
+    confidence_threshold: Optional[float] = typer.Option(None, "--confidence-threshold"),
+    stability_threshold: Optional[int] = typer.Option(None, "--stability-threshold"),
+    threads: Optional[int] = typer.Option(None, "--threads"),
+) -> None:
+    """Print JSON {"sequence": [...], "steps_per_canvas": [...]} for one generation."""
+    from dgemma_engine.debug import debug_generate
+
+    debug_generate(
+        model, parse_ids(prompt_ids), seed=seed, rng=rng, max_new_tokens=max_new_tokens, steps=steps, t_max=t_max,
+        t_min=t_min, entropy_bound=entropy_bound, confidence_threshold=confidence_threshold,
+        stability_threshold=stability_threshold, threads=threads,
+    )

@@ -1,0 +1,40 @@
+"""Build the engine's C core against the ggml that llama-cpp-python ships.
+
+llama-cpp-python installs ggml's headers at `<site-packages>/include` and its shared libraries at
+`<site-packages>/llama_cpp/lib` (see shared/spec/build-notes.md). We compile against exactly those, and link with an
+RPATH to the runtime copy inside `llama_cpp/lib`, so the process holds one ggml: the one `llama_cpp` loads.
+"""
+import glob
+import importlib.util
+import os
+
+from setuptools import Extension, setup
+
+
+def llama_cpp_paths() -> tuple[str, str]:
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("llama-cpp-python must be installed to build dgemma's engine (it provides ggml)")
+    pkg_dir = os.path.dirname(spec.origin)
+    include_dir = os.path.join(os.path.dirname(pkg_dir), "include")
+    lib_dir = os.path.join(pkg_dir, "lib")
+    for needed in (os.path.join(include_dir, "ggml.h"), os.path.join(lib_dir, "libggml-base.so")):
+        if not os.path.exists(needed):
+            raise RuntimeError(f"llama-cpp-python does not provide {os.path.basename(needed)} where expected")
+    return include_dir, lib_dir
+
+
+include_dir, lib_dir = llama_cpp_paths()
+sources = sorted(glob.glob("ggml_ext/csrc/*.c"))
+
+engine = Extension(
+    "dgemma_engine._native",
+    sources=sources,
+    include_dirs=[include_dir, "ggml_ext/csrc"],
+    library_dirs=[lib_dir],
+    libraries=["ggml", "ggml-base", "ggml-cpu"],
+    extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden", "-pthread"],
+    extra_link_args=["-Wl,-rpath,$ORIGIN/../llama_cpp/lib", "-pthread", "-lm"],
+)
+
+setup(ext_modules=[engine] if sources else [])
