@@ -25,16 +25,25 @@ def llama_cpp_paths() -> tuple[str, str]:
 
 
 include_dir, lib_dir = llama_cpp_paths()
-sources = sorted(glob.glob("ggml_ext/csrc/*.c"))
+common_args = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden", "-pthread"]
 
+# The forward pass on ggml: GGUF load, encoder prefill, decoder step with self-conditioning.
 engine = Extension(
-    "dgemma_engine._native",
-    sources=sources,
-    include_dirs=[include_dir, "ggml_ext/csrc"],
+    "dgemma_engine._engine",
+    sources=sorted(glob.glob("ggml_ext/csrc/engine/*.c")),
+    include_dirs=[include_dir, "ggml_ext/csrc/engine"],
     library_dirs=[lib_dir],
     libraries=["ggml", "ggml-base", "ggml-cpu"],
-    extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden", "-pthread"],
+    extra_compile_args=common_args,
     extra_link_args=["-Wl,-rpath,$ORIGIN/../llama_cpp/lib", "-pthread", "-lm"],
 )
+# The entropy-bound sampler and torch-compatible RNG: plain C over a float logits buffer, no ggml needed.
+sampler = Extension(
+    "dgemma_engine._sampler",
+    sources=sorted(glob.glob("ggml_ext/csrc/sampler/*.c")),
+    include_dirs=["ggml_ext/csrc/sampler"],
+    extra_compile_args=common_args,
+    extra_link_args=["-pthread", "-lm"],
+)
 
-setup(ext_modules=[engine] if sources else [])
+setup(ext_modules=[ext for ext in (engine, sampler) if ext.sources])
