@@ -1,13 +1,60 @@
-"""`dgemma convert`: HF checkpoint folder -> GGUF. (Implementation: dgemma_convert.)"""
+"""`dgemma convert HF_DIR --outfile OUT.gguf --outtype TYPE`: HF checkpoint folder -> GGUF (dgemma_convert)."""
+from __future__ import annotations
+
+import sys
 from pathlib import Path
+from typing import Optional
 
 import typer
+
+OUTTYPES = "f32|f16|bf16|q8_0|q4_0|q4_k_m|q5_k_m|q6_k"
 
 
 def convert(
     hf_dir: Path = typer.Argument(..., help="Hugging Face checkpoint folder"),
     outfile: Path = typer.Option(..., "--outfile", "-o", help="output .gguf path"),
-    outtype: str = typer.Option("bf16", "--outtype", help="f32|f16|bf16|q8_0|q4_0|q4_k_m|q5_k_m|q6_k"),
+    outtype: str = typer.Option("bf16", "--outtype", help=OUTTYPES),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="quantizer threads (default: all cores)"),
 ) -> None:
-    """Convert a DiffusionGemma checkpoint to GGUF."""
-    raise NotImplementedError("being written")
+    """Convert a DiffusionGemma checkpoint to GGUF (llama.cpp PR #24423 / Unsloth layout)."""
+    from dgemma_convert import convert as run_conversion
+
+    interactive = sys.stderr.isatty()
+    progress = RichProgress() if interactive else None  # quiet when piped
+    result = run_conversion(hf_dir, outfile, outtype, threads=threads, progress=progress)
+    if interactive:
+        size_gib = result.nbytes / 2**30
+        print(f"wrote {result.path} ({result.n_tensors} tensors, {size_gib:.2f} GiB) in {result.seconds:.1f} s",
+              file=sys.stderr)
+
+
+class RichProgress:
+    """A Rich progress bar over the output bytes: tensors done, bytes, rate and ETA."""
+
+    def start(self, plan) -> None:
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
+        self.n_tensors = len(plan.tensors)
+        self._bar = Progress(
+            TextColumn("{task.fields[tensors]}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+            TimeRemainingColumn(), TextColumn("{task.fields[current]}"), transient=False,
+            console=_stderr_console(),
+        )
+        self._task = self._bar.add_task("convert", total=plan.total_bytes, tensors=f"0/{self.n_tensors}", current="")
+        self._bar.start()
+
+    def tensor(self, index: int, name: str) -> None:
+        self._bar.update(self._task, tensors=f"{index + 1}/{self.n_tensors} tensors", current=name)
+
+    def advance(self, nbytes: int) -> None:
+        self._bar.advance(self._task, nbytes)
+
+    def stop(self) -> None:
+        self._bar.stop()
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True)

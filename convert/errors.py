@@ -1,0 +1,5 @@
+"""The converter's one user-facing error type: the CLI prints it as a single `Error: ...` line and exits 1."""
+
+
+class ConvertError(Exception):
+    """Bad or unsupported input (config, checkpoint, tokenizer) or an output that cannot be written."""

@@ -1,0 +1,111 @@
+"""Streaming GGUF output through gguf-py's GGUFWriter, written to a temporary file and renamed at the end.
+
+GGUF puts all tensor infos (name, shape, type, offset) before the data, so the writer first registers every tensor,
+writes header + key/values + tensor infos, and then receives each tensor's bytes in chunks, checking that exactly the
+announced number of bytes arrives. The output appears under its final name only when complete; on any error the
+temporary file is removed, so a failed conversion never leaves a half-written GGUF behind.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+from gguf import GGUFValueType, GGUFWriter, GGMLQuantizationType
+
+from dgemma_convert.errors import ConvertError
+
+
+class StreamingGGUFWriter:
+    def __init__(self, outfile: Path, arch: str):
+        self.outfile = outfile
+        directory = outfile.parent if str(outfile.parent) else Path(".")
+        if not directory.is_dir():
+            raise ConvertError(f"output folder does not exist: {directory}")
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{outfile.name}.", suffix=".tmp", dir=directory)
+        except OSError as exc:
+            raise ConvertError(f"cannot write to {directory}: {exc}") from None
+        os.close(fd)
+        self.tmp_path = Path(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self.tmp_path, 0o666 & ~umask)  # mkstemp's 0600 would otherwise become the output's mode
+        self._gguf = GGUFWriter(path=None, arch=arch)
+        self._expected: list[tuple[str, int]] = []  # (name, nbytes) in file order
+        self._next = 0
+        self._fout = None
+
+    # -- metadata and tensor infos (before any data) ------------------------------------------------------------
+
+    def add_key_value(self, key: str, value: Any, vtype: GGUFValueType, sub_type: GGUFValueType | None = None) -> None:
+        if key == "general.architecture":  # GGUFWriter writes it first by itself
+            if value != self._gguf.arch:
+                raise ConvertError(f"internal error: architecture {value!r} != {self._gguf.arch!r}")
+            return
+        self._gguf.add_key_value(key, value, vtype, sub_type=sub_type)
+
+    def add_tensor_info(self, name: str, ne: Sequence[int], ggml_type: GGMLQuantizationType, nbytes: int) -> None:
+        # GGUFWriter takes the numpy-order shape and writes it reversed (ggml ne order)
+        self._gguf.add_tensor_info(name, tuple(reversed(ne)), np.dtype(np.float32), nbytes, raw_dtype=ggml_type)
+        self._expected.append((name, nbytes))
+
+    def parameter_counts(self) -> tuple[int, int, int, int]:
+        """(total, shared, expert, expert_count) as gguf-py counts them, for general.size_label."""
+        return self._gguf.get_total_parameter_count()
+
+    def begin_data(self) -> None:
+        """Write header, key/values and tensor infos; afterwards only tensor data may follow."""
+        self._gguf.open_output_file(self.tmp_path)
+        self._gguf.write_header_to_file()
+        self._gguf.write_kv_data_to_file()
+        self._gguf.write_ti_data_to_file()
+        self._fout = self._gguf.fout[0]
+        self._pad()
+
+    # -- tensor data --------------------------------------------------------------------------------------------
+
+    def write_tensor(self, name: str, chunks: Iterable[bytes | np.ndarray]) -> None:
+        expected_name, expected = self._expected[self._next]
+        if name != expected_name:
+            raise ConvertError(f"internal error: tensor {name} written out of order (expected {expected_name})")
+        written = 0
+        for chunk in chunks:
+            data = memoryview(np.ascontiguousarray(chunk)).cast("B") if isinstance(chunk, np.ndarray) else chunk
+            written += len(data)
+            if written > expected:
+                break
+            self._fout.write(data)
+        if written != expected:
+            raise ConvertError(f"internal error: tensor {name} has {written} bytes, {expected} announced")
+        self._pad()
+        self._next += 1
+
+    def _pad(self) -> None:
+        align = self._gguf.data_alignment
+        pad = -self._fout.tell() % align
+        if pad:
+            self._fout.write(b"\0" * pad)
+
+    # -- completion -----------------------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        if self._next != len(self._expected):
+            raise ConvertError(f"internal error: {len(self._expected) - self._next} tensors were not written")
+        self._fout.flush()
+        os.fsync(self._fout.fileno())
+        self._gguf.close()
+        os.replace(self.tmp_path, self.outfile)
+
+    def abort(self) -> None:
+        self._gguf.close()
+        self.tmp_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "StreamingGGUFWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
