@@ -3,7 +3,7 @@ import sys
 
 import typer
 
-from dgemma_cli import cmd_convert, cmd_debug
+from dgemma_cli import cmd_convert, cmd_debug, cmd_serve
 
 app = typer.Typer(
     name="dgemma",
@@ -14,6 +14,7 @@ app = typer.Typer(
 )
 app.command("convert")(cmd_convert.convert)
 app.add_typer(cmd_debug.app, name="debug")
+cmd_serve.register(app)
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:

@@ -1,0 +1,68 @@
+"""`dgemma serve` (alias `start`): the Ollama/OpenAI-compatible REST server, configured by `DGEMMA_*` variables."""
+import errno
+import logging
+import socket
+import sys
+
+import typer
+
+from dgemma_cli.errors import DgemmaError
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if exc.errno == errno.EADDRINUSE:
+            raise DgemmaError(
+                f"listen {where}: address already in use (set DGEMMA_HOST to choose another address)"
+            ) from None
+        raise DgemmaError(f"listen {where}: {exc.strerror}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve() -> None:
+    """Start the REST server (Ollama and OpenAI compatible). Configure it with DGEMMA_* environment variables."""
+    import uvicorn
+
+    from dgemma_cli.server.app import create_app
+    from dgemma_cli.server.config import ServerConfig
+
+    config = ServerConfig.from_env()
+    level = logging.DEBUG if config.debug else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    log = logging.getLogger("dgemma.server")
+    for warning in config.warnings:
+        log.warning(warning)
+    for line in config.describe():
+        log.info("config %s", line)
+    if not config.host.is_loopback:
+        log.warning(
+            "WARNING: dgemma is listening on %s, a non-loopback address: anyone who can reach this machine can use it",
+            config.host.url,
+        )
+        if not config.api_key:
+            log.warning("WARNING: DGEMMA_API_KEY is unset: requests from the network are not authenticated")
+    sock = _bind(config.host.host, config.host.port)
+    app = create_app(config)
+    log.info("listening on %s (dgemma API, Ollama %s compatible)", config.host.url, config.compat_version)
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="debug" if config.debug else "warning", access_log=bool(config.debug),
+                       timeout_graceful_shutdown=5, lifespan="on")
+    )
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
+    app.command("start", hidden=True)(serve)

@@ -1,0 +1,288 @@
+"""One generation, independent of HTTP: prompt building, canvas budgeting, stop strings, `num_predict` cuts, metrics.
+
+Runs inside a worker thread and yields neutral outputs (`Text`, `Progress`, `Final`) that the Ollama and OpenAI route
+modules turn into their own wire shapes. Spec ollama-compat.md §2.4 (truncation), §3.3 (budget), §3.4, §3.5.
+"""
+import math
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from dgemma_cli.server.errors import RequestError
+from dgemma_cli.server.options import SamplerSettings
+from dgemma_cli.server.runner import STOP_TOKEN_IDS, Runner
+
+THOUGHT_OPEN = "<|channel>thought"
+THOUGHT_CLOSE = "<channel|>"
+
+
+@dataclass
+class Text:
+    text: str = ""
+    thinking: str = ""
+
+
+@dataclass
+class Progress:
+    completed: int
+    total: int
+    canvas: int  # 1-based
+    preview: str | None = None
+
+
+@dataclass
+class Metrics:
+    """Durations in integer nanoseconds (invariant 4); counts in tokens."""
+
+    total_duration: int = 0
+    load_duration: int = 0
+    prompt_eval_count: int = 0
+    prompt_eval_duration: int = 0
+    eval_count: int = 0
+    eval_duration: int = 0
+    denoise_steps: int = 0
+    canvases: int = 0
+
+
+@dataclass
+class Final:
+    done_reason: str  # "stop" | "length"
+    metrics: Metrics
+    context: list[int] = field(default_factory=list)  # prompt + answer ids (for /api/generate)
+
+
+@dataclass(frozen=True)
+class Plan:
+    prompt_ids: list[int]
+    max_new_tokens: int  # whole canvases
+    token_limit: int | None  # exact num_predict cut, None = until EOS
+
+
+def _ns(seconds: float) -> int:
+    return max(0, int(round(seconds * 1e9)))
+
+
+def no_room_error(prompt_tokens: int, canvas: int, n_ctx: int) -> RequestError:
+    return RequestError(
+        f"prompt ({prompt_tokens} tokens) leaves no room for a diffusion canvas ({canvas} tokens) "
+        f"within the context window ({n_ctx} tokens)"
+    )
+
+
+def render_failed(exc: Exception) -> RequestError:
+    """Template failures (sandbox violations included) are a clean 500 without internals (§8 H 25)."""
+    return RequestError("failed to render chat template", 500)
+
+
+def chat_prompt(runner: Runner, messages: list[dict], think: bool | None, truncate: bool) -> list[int]:
+    """Render and tokenize; with `truncate`, drop the oldest non-system messages until prompt + one canvas fits."""
+    messages = list(messages)
+    while True:
+        try:
+            text = runner.render_chat(messages, think)
+        except RequestError:
+            raise
+        except Exception as exc:  # jinja2 SecurityError, TemplateError, recursion, ...
+            raise render_failed(exc) from None
+        ids = runner.tokenize(text)
+        if len(ids) + runner.canvas_length <= runner.context_length:
+            return ids
+        droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
+        if not truncate or not droppable:
+            raise no_room_error(len(ids), runner.canvas_length, runner.context_length)
+        del messages[droppable[0]]
+
+
+def plan_generation(runner: Runner, prompt_ids: list[int], sampler: SamplerSettings, max_canvases: int) -> Plan:
+    """Canvases = min(ceil(num_predict / C), DGEMMA_MAX_CANVASES, floor((num_ctx - prompt) / C)) (§3.3)."""
+    canvas = runner.canvas_length
+    room = (runner.context_length - len(prompt_ids)) // canvas
+    if room < 1:
+        raise no_room_error(len(prompt_ids), canvas, runner.context_length)
+    limit = sampler.num_predict if sampler.num_predict >= 1 else None
+    wanted = math.ceil(limit / canvas) if limit else max_canvases
+    canvases = min(wanted, max_canvases, room)
+    return Plan(prompt_ids=list(prompt_ids), max_new_tokens=canvases * canvas, token_limit=limit)
+
+
+class StopScanner:
+    """Post-hoc stop strings over committed text; holds back `max(len(stop)) - 1` chars that could start a match."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string matched: then the text ends before it)."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        keep = min(self.hold, len(self.pending))
+        out = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(out) :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class ThinkingSplitter:
+    """Routes the model's `<|channel>thought … <channel|>` block to `thinking` (never inside `content`, §3.5)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.state = "start"  # start -> thinking -> answer
+        self.buffer = ""
+
+    def feed(self, text: str, final: bool = False) -> Text:
+        if not self.enabled:
+            return Text(text=text)
+        self.buffer += text
+        out = Text()
+        while self.buffer:
+            if self.state == "start":
+                stripped = self.buffer.lstrip()
+                if stripped.startswith(THOUGHT_OPEN):
+                    self.buffer = stripped[len(THOUGHT_OPEN) :].lstrip("\n")
+                    self.state = "thinking"
+                elif THOUGHT_OPEN.startswith(stripped) and not final:
+                    break  # could still become the marker
+                else:
+                    self.state = "answer"
+            elif self.state == "thinking":
+                end = self.buffer.find(THOUGHT_CLOSE)
+                if end >= 0:
+                    out.thinking += self.buffer[:end]
+                    self.buffer = self.buffer[end + len(THOUGHT_CLOSE) :].lstrip("\n")
+                    self.state = "answer"
+                else:
+                    keep = 0 if final else len(THOUGHT_CLOSE) - 1
+                    cut = max(0, len(self.buffer) - keep)
+                    out.thinking += self.buffer[:cut]
+                    self.buffer = self.buffer[cut:]
+                    break
+            else:
+                out.text += self.buffer
+                self.buffer = ""
+        return out
+
+
+def _kind(event: object) -> str:
+    """The generation loop's events, told apart by their fields (no import of dgemma_engine needed here)."""
+    if hasattr(event, "argmax_ids"):
+        return "step"
+    if hasattr(event, "ids") and hasattr(event, "text"):
+        return "canvas"
+    if hasattr(event, "reason"):
+        return "done"
+    return "unknown"
+
+
+def _tokens_covering(runner: Runner, ids: list[int], n_chars: int) -> int:
+    """The fewest leading tokens of `ids` whose text has at least `n_chars` characters (for stop-string cuts)."""
+    low, high = 0, len(ids)
+    while low < high:
+        mid = (low + high) // 2
+        if len(runner.detokenize(ids[:mid])) >= n_chars:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def _until_stop_token(ids: list[int]) -> list[int]:
+    for i, token in enumerate(ids):
+        if token in STOP_TOKEN_IDS:
+            return ids[:i]
+    return ids
+
+
+def run_generation(
+    runner: Runner,
+    plan: Plan,
+    sampler: SamplerSettings,
+    cancel: threading.Event,
+    think: bool = False,
+    started: float | None = None,
+    load_seconds: float = 0.0,
+) -> Iterator[Text | Progress | Final]:
+    """Drive the runner and yield what clients see. Nothing final is yielded for a cancelled generation."""
+    started = time.perf_counter() if started is None else started
+    gen_start = time.perf_counter()
+    stop = StopScanner(sampler.stop)
+    thinking = ThinkingSplitter(think)
+    answer_ids: list[int] = []
+    streamed = ""  # concatenated canvas texts, for exact num_predict cuts
+    delivered = 0  # characters that passed the stop-string scanner
+    stop_matched = False
+    steps = canvases = 0
+    first_step_at = last_commit_at = None
+    stats = None
+    reason = None
+    events = runner.generate(plan.prompt_ids, sampler, plan.max_new_tokens, cancel)
+    try:
+        for event in events:
+            kind = _kind(event)
+            if kind == "step":
+                steps += 1
+                first_step_at = first_step_at or time.perf_counter()
+                if sampler.progress:
+                    preview = runner.detokenize(list(event.argmax_ids)) if sampler.preview else None
+                    yield Progress(int(event.step) + 1, int(event.max_steps), int(event.canvas_index) + 1, preview)
+            elif kind == "canvas":
+                canvases += 1
+                last_commit_at = time.perf_counter()
+                ids = _until_stop_token(list(event.ids))
+                text = event.text
+                cut = plan.token_limit is not None and len(answer_ids) + len(ids) >= plan.token_limit
+                if cut:
+                    ids = ids[: plan.token_limit - len(answer_ids)]
+                    full = runner.detokenize(answer_ids + ids)
+                    text = full[len(streamed) :] if full.startswith(streamed) else ""
+                answer_ids += ids
+                streamed += text
+                visible, stop_matched = stop.feed(text)
+                delivered += len(visible)
+                if visible:
+                    yield thinking.feed(visible)
+                if stop_matched:
+                    reason = "stop"
+                    break
+                if cut:
+                    reason = "length"
+                    break
+            elif kind == "done":
+                stats = getattr(event, "stats", None)
+                reason = {"eos": "stop", "cancelled": "cancelled"}.get(event.reason, "length")
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()
+    if reason in (None, "cancelled") or cancel.is_set():
+        return
+    tail = thinking.feed(stop.flush(), final=True)
+    if tail.text or tail.thinking:
+        yield tail
+    if stop_matched:  # eval_count and context cover only what the client got
+        answer_ids = answer_ids[: _tokens_covering(runner, answer_ids, delivered)]
+    now = time.perf_counter()
+    prompt_s = getattr(stats, "prompt_eval_s", None)
+    if prompt_s is None:
+        prompt_s = (first_step_at or now) - gen_start
+    eval_s = max(0.0, (last_commit_at or now) - gen_start - prompt_s)
+    metrics = Metrics(
+        total_duration=_ns(now - started),
+        load_duration=_ns(load_seconds),
+        prompt_eval_count=int(getattr(stats, "prompt_tokens", len(plan.prompt_ids))),
+        prompt_eval_duration=_ns(prompt_s),
+        eval_count=len(answer_ids),
+        eval_duration=_ns(eval_s),
+        denoise_steps=steps,
+        canvases=canvases,
+    )
+    yield Final(done_reason=reason, metrics=metrics, context=plan.prompt_ids + answer_ids)

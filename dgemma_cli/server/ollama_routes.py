@@ -1,0 +1,532 @@
+"""Native Ollama API (spec ollama-compat.md §2): inference, info and store endpoints."""
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import threading
+import time
+from pathlib import PurePosixPath, PureWindowsPath
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from dgemma_cli.errors import DgemmaError
+from dgemma_cli.server import inference, schemas
+from dgemma_cli.server.durations import parse_keep_alive
+from dgemma_cli.server.errors import NotFound, RequestError
+from dgemma_cli.server.inference import Final, Progress, Text
+from dgemma_cli.server.options import check_options, resolve_sampler
+from dgemma_cli.server.services import Services, ResolvedModel, services
+from dgemma_cli.server.streaming import (
+    NDJSON,
+    GuardedStreamingResponse,
+    WorkerStream,
+    collect,
+    error_message,
+    json_line,
+    stream_error_line,
+    timestamp,
+    timestamp_of,
+    until_disconnected,
+)
+
+log = logging.getLogger("dgemma.server")
+router = APIRouter()
+
+ERRORS = {
+    400: {"model": schemas.ErrorResponse, "description": "invalid request"},
+    404: {"model": schemas.ErrorResponse, "description": "model not found"},
+}
+INFERENCE_ERRORS = {
+    **ERRORS,
+    499: {"model": schemas.ErrorResponse, "description": "client left while queued"},
+    500: {"model": schemas.ErrorResponse, "description": "internal error (load failure, template failure)"},
+    503: {"model": schemas.ErrorResponse, "description": "queue full"},
+}
+
+
+def _stream_flag(value: bool | None) -> bool:
+    return True if value is None else value  # native endpoints stream unless told otherwise (invariant 2)
+
+
+def _model_text(model: str | None, name: str | None) -> str:
+    text = model or name
+    if not text:
+        raise RequestError("model is required")
+    return text
+
+
+# ---- meta ---------------------------------------------------------------------------------------------------------
+
+@router.get("/", response_class=PlainTextResponse)
+@router.head("/", response_class=PlainTextResponse, include_in_schema=False)
+async def root() -> PlainTextResponse:
+    return PlainTextResponse("Ollama is running")
+
+
+@router.get("/api/version", response_model=schemas.VersionResponse)
+@router.head("/api/version", include_in_schema=False)
+async def version(request: Request) -> dict[str, str]:
+    svc = services(request)
+    return {"version": svc.config.compat_version, "dgemma_version": svc.dgemma_version}
+
+
+# ---- inference ----------------------------------------------------------------------------------------------------
+
+def _common_checks(model: ResolvedModel, fmt: Any, logprobs: bool | None, top_logprobs: int | None) -> None:
+    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
+        raise RequestError("top_logprobs must be between 0 and 20")
+    if logprobs or (top_logprobs or 0) > 0:
+        raise RequestError(f"{model.quoted} does not support logprobs")
+    if fmt not in (None, "", {}):
+        raise RequestError(f"{model.quoted} does not support structured outputs")
+
+
+def _think_flag(model: ResolvedModel, think: bool | str | None, has_thinking: bool) -> bool | None:
+    if think is None or think is False:
+        return None if think is None else False
+    if isinstance(think, str) and think.lower() not in ("true", "low", "medium", "high", "max"):
+        if think.lower() == "false":
+            return False
+        raise RequestError(f'invalid think value: "{think}" (must be true, false, high, medium, low, or max)')
+    if not has_thinking:
+        raise RequestError(f"{model.quoted} does not support thinking")
+    return True
+
+
+def _metrics(final: Final) -> dict[str, Any]:
+    m = final.metrics
+    return {
+        "total_duration": m.total_duration,
+        "load_duration": m.load_duration,
+        "prompt_eval_count": m.prompt_eval_count,
+        "prompt_eval_duration": m.prompt_eval_duration,
+        "eval_count": m.eval_count,
+        "eval_duration": m.eval_duration,
+        "denoise_steps": m.denoise_steps,
+        "canvases": m.canvases,
+    }
+
+
+async def _load_or_unload(svc: Services, model: ResolvedModel, keep_alive: float | None, num_ctx: int, chat: bool, request: Request) -> dict:
+    """Empty prompt / messages: load only, or unload with `keep_alive: 0` (§2.5)."""
+    if keep_alive == 0:
+        await svc.scheduler.unload(model.display)
+        reason = "unload"
+    else:
+        lease = await until_disconnected(
+            request, svc.scheduler.acquire(model.display, model.local, num_ctx, keep_alive)
+        )
+        lease.release()
+        reason = "load"
+    body: dict[str, Any] = {"model": model.display, "created_at": timestamp()}
+    if chat:
+        body["message"] = {"role": "assistant", "content": ""}
+    else:
+        body["response"] = ""
+    body.update(done=True, done_reason=reason)
+    return body
+
+
+class _Job:
+    """What a generate/chat request resolved to once its model is resident."""
+
+    def __init__(self, svc: Services, model: ResolvedModel, options: dict, keep_alive: float | None):
+        self.svc = svc
+        self.model = model
+        self.options = options
+        self.keep_alive = keep_alive
+        self.num_ctx = svc.num_ctx(model, options)
+        self.started = time.perf_counter()
+
+    async def start(self, request: Request, build_prompt, think) -> tuple[WorkerStream, bool]:
+        """Queue for the model, render the prompt, plan the canvases: every 4xx happens before the first byte."""
+        lease = await until_disconnected(
+            request, self.svc.scheduler.acquire(self.model.display, self.model.local, self.num_ctx, self.keep_alive)
+        )
+        try:
+            runner = lease.runner
+            sampler = resolve_sampler(self.options, runner.metadata, self.svc.config.max_steps)
+            thinking = _think_flag(self.model, think, runner.has_thinking)
+            prompt_ids = await asyncio.to_thread(build_prompt, runner, thinking)
+            plan = inference.plan_generation(runner, prompt_ids, sampler, self.svc.config.max_canvases)
+        except BaseException:
+            lease.release()
+            raise
+        load_s = lease.load_seconds
+
+        def produce(cancel: threading.Event):
+            return inference.run_generation(runner, plan, sampler, cancel, bool(thinking), self.started, load_s)
+
+        return WorkerStream(produce, lambda failed: lease.release(failed)), sampler.progress
+
+
+def _ndjson(stream: WorkerStream, render) -> GuardedStreamingResponse:
+    async def body():
+        try:
+            async for item in stream:
+                line = render(item)
+                if line is not None:
+                    yield json_line(line)
+        except Exception as exc:  # noqa: BLE001  (after the first byte an error is one more line, §2.1)
+            yield json_line(stream_error_line(exc))
+        finally:
+            stream.stop()
+
+    return GuardedStreamingResponse(body(), cleanup=stream.stop, media_type=NDJSON)
+
+
+@router.post("/api/generate", response_model=schemas.GenerateResponse, responses=INFERENCE_ERRORS)
+async def generate(req: schemas.GenerateRequest, request: Request):
+    svc = services(request)
+    model = await svc.resolve_runnable(_model_text(req.model, req.name))
+    if req.raw and (req.template or req.system or req.context):
+        raise RequestError("raw mode does not support template, system, or context")
+    if req.suffix:
+        raise RequestError(f"{model.full} does not support insert")
+    if req.images:
+        raise RequestError(f"{model.full} does not support vision")
+    _common_checks(model, req.format, req.logprobs, req.top_logprobs)
+    options = svc.merged_options(model, req.options)
+    if req.steps is not None:
+        options["diffusion_steps"] = check_options({"diffusion_steps": req.steps})["diffusion_steps"]
+    keep_alive = _keep_alive(req.keep_alive)
+    if not req.prompt:
+        job = _Job(svc, model, options, keep_alive)
+        return await _load_or_unload(svc, model, keep_alive, job.num_ctx, chat=False, request=request)
+
+    system = req.system if req.system is not None else model.local.system
+    context = list(req.context or [])
+
+    def build_prompt(runner, thinking):
+        if req.raw:
+            text = req.prompt
+        else:
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": req.prompt}
+            ]
+            text = _render(runner, messages, thinking)
+        return context + runner.tokenize(text)
+
+    job = _Job(svc, model, options, keep_alive)
+    stream, _progress = await job.start(request, build_prompt, req.think)
+    return await _answer(request, stream, model, req.stream, chat=False, with_context=not req.raw)
+
+
+def _render(runner, messages: list[dict], thinking: bool | None) -> str:
+    try:
+        return runner.render_chat(messages, thinking)
+    except RequestError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise inference.render_failed(exc) from None
+
+
+@router.post("/api/chat", response_model=schemas.ChatResponse, responses=INFERENCE_ERRORS)
+async def chat(req: schemas.ChatRequest, request: Request):
+    svc = services(request)
+    model = await svc.resolve_runnable(_model_text(req.model, req.name))
+    messages = [m.model_dump(exclude_none=True) for m in (req.messages or [])]
+    for message in messages:
+        message["role"] = message["role"].lower()
+        if message["role"] not in ("system", "user", "assistant", "tool"):
+            raise RequestError(f"invalid message role {message['role']!r}")
+        if message.get("images"):
+            raise RequestError(f"{model.full} does not support vision")
+        message.pop("images", None)
+        message.setdefault("content", "")
+    if req.tools:
+        raise RequestError(f"{model.full} does not support tools")
+    _common_checks(model, req.format, req.logprobs, req.top_logprobs)
+    options = svc.merged_options(model, req.options)
+    keep_alive = _keep_alive(req.keep_alive)
+    if not messages:
+        job = _Job(svc, model, options, keep_alive)
+        return await _load_or_unload(svc, model, keep_alive, job.num_ctx, chat=True, request=request)
+
+    conversation = with_model_messages(model, messages)
+    truncate = True if req.truncate is None else req.truncate
+
+    def build_prompt(runner, thinking):
+        return inference.chat_prompt(runner, conversation, thinking, truncate)
+
+    job = _Job(svc, model, options, keep_alive)
+    stream, _progress = await job.start(request, build_prompt, req.think)
+    return await _answer(request, stream, model, req.stream, chat=True, with_context=False)
+
+
+def with_model_messages(model: ResolvedModel, messages: list[dict]) -> list[dict]:
+    """Modelfile MESSAGEs first; the model SYSTEM leads unless the request starts with its own system message."""
+    preset = [dict(m) for m in model.local.messages or []]
+    if model.local.system and not (messages and messages[0]["role"] == "system"):
+        preset.insert(0, {"role": "system", "content": model.local.system})
+    return preset + messages
+
+
+def _keep_alive(value: Any) -> float | None:
+    try:
+        return parse_keep_alive(value)
+    except DgemmaError as exc:
+        raise RequestError(str(exc)) from None
+
+
+async def _answer(request: Request, stream: WorkerStream, model: ResolvedModel, stream_flag, chat: bool, with_context: bool):
+    def base() -> dict[str, Any]:
+        return {"model": model.display, "created_at": timestamp()}
+
+    def payload(obj: dict[str, Any], text: str, thinking: str = "") -> dict[str, Any]:
+        if chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"] = thinking
+            obj["message"] = message
+        else:
+            obj["response"] = text
+            if thinking:
+                obj["thinking"] = thinking
+        return obj
+
+    def final(item: Final, text: str = "", thinking: str = "") -> dict[str, Any]:
+        obj = payload(base(), text, thinking)
+        obj.update(done=True, done_reason=item.done_reason)
+        if with_context:
+            obj["context"] = item.context
+        obj.update(_metrics(item))
+        return obj
+
+    if _stream_flag(stream_flag):
+        def render(item):
+            if isinstance(item, Text):
+                return {**payload(base(), item.text, item.thinking), "done": False}
+            if isinstance(item, Progress):
+                obj = {**payload(base(), ""), "done": False, "completed": item.completed, "total": item.total, "canvas": item.canvas}
+                if item.preview is not None:
+                    obj["preview"] = item.preview
+                return obj
+            if isinstance(item, Final):
+                return final(item)
+            return None
+
+        return _ndjson(stream, render)
+
+    items = await collect(request, stream)
+    text = "".join(i.text for i in items if isinstance(i, Text))
+    thinking = "".join(i.thinking for i in items if isinstance(i, Text))
+    finals = [i for i in items if isinstance(i, Final)]
+    if not finals:
+        raise RequestError("generation ended without a result", 500)
+    return JSONResponse(final(finals[-1], text, thinking))
+
+
+# ---- info ---------------------------------------------------------------------------------------------------------
+
+@router.get("/api/tags", response_model=schemas.TagsResponse)
+@router.head("/api/tags", include_in_schema=False)
+async def tags(request: Request) -> dict:
+    svc = services(request)
+    entries = await asyncio.to_thread(svc.store.list_models)
+    return {
+        "models": [
+            {
+                "name": e.name,
+                "model": e.name,
+                "modified_at": timestamp_of(e.modified),
+                "size": e.size,
+                "digest": e.digest,
+                "details": svc.details(e.details),
+                "capabilities": ["completion", "diffusion"] if e.details.get("family") == "diffusion-gemma" else ["completion"],
+            }
+            for e in entries
+        ]
+    }
+
+
+@router.get("/api/ps", response_model=schemas.PsResponse)
+async def ps(request: Request) -> dict:
+    svc = services(request)
+    now = time.time()
+    models = []
+    for resident in svc.scheduler.running():
+        runner = resident.runner
+        local = resident.model
+        models.append(
+            {
+                "name": resident.name,
+                "model": resident.name,
+                "size": int(getattr(runner, "size", 0)),
+                "digest": str(getattr(local, "manifest_digest", "")).removeprefix("sha256:"),
+                "details": svc.details_of(local),
+                "expires_at": timestamp_of(resident.expiry_for_ps(now)),
+                "size_vram": int(getattr(runner, "size_vram", 0)),
+                "context_length": int(getattr(runner, "context_length", resident.num_ctx)),
+            }
+        )
+    return {"models": models}
+
+
+@router.post("/api/show", response_model=schemas.ShowResponse, responses=ERRORS)
+async def show(req: schemas.ShowRequest, request: Request) -> dict:
+    svc = services(request)
+    model = await svc.resolve(_model_text(req.model, req.name))
+    return await asyncio.to_thread(svc.show, model, bool(req.verbose))
+
+
+# ---- store --------------------------------------------------------------------------------------------------------
+
+def _check_writable(svc: Services) -> None:
+    if svc.config.readonly:
+        raise RequestError("server is read-only", 403)
+
+
+@router.post("/api/pull", response_model=schemas.StatusResponse, responses={**ERRORS, 502: {"model": schemas.ErrorResponse}})
+async def pull(req: schemas.PullRequest, request: Request):
+    svc = services(request)
+    _check_writable(svc)
+    name = svc.parse_name(_model_text(req.model, req.name))
+    from dgemma_cli.registry import pull as registry_pull
+
+    def produce(cancel: threading.Event):
+        return registry_pull(name, svc.store, insecure=bool(req.insecure), cancel=cancel)
+
+    return await _progress_answer(request, WorkerStream(produce, lambda failed: None), req.stream)
+
+
+async def _progress_answer(request: Request, stream: WorkerStream, stream_flag: bool | None):
+    """Pull/create status streams: NDJSON of status objects, or the last one (`success`) with `stream: false`."""
+    if _stream_flag(stream_flag):
+        return _ndjson(stream, lambda item: item)
+    items = await collect(request, stream)
+    return JSONResponse(items[-1] if items else {"status": "success"})
+
+
+def _clean_relative(name: str) -> bool:
+    if not name or "\x00" in name or "\\" in name or PureWindowsPath(name).drive:
+        return False
+    path = PurePosixPath(name)
+    return not path.is_absolute() and ".." not in path.parts and name not in (".",)
+
+
+@router.post("/api/create", response_model=schemas.StatusResponse, responses=ERRORS)
+async def create(req: schemas.CreateRequest, request: Request):
+    svc = services(request)
+    _check_writable(svc)
+    if req.path is not None or req.modelfile is not None:
+        raise RequestError("the server does not read Modelfiles or paths; send 'from', 'files' and the other fields")
+    name = svc.parse_name(_model_text(req.model, req.name))
+    if not req.from_ and not req.files:
+        raise RequestError("neither 'from' or 'files' was specified")
+    for key, digest in (req.files or {}).items():
+        if not _clean_relative(key):
+            raise RequestError("file path must be relative")
+        svc.blob_path(digest)  # the one validator: 400 invalid digest format
+    if req.adapters:
+        raise RequestError("adapters are not supported")
+    gguf_paths = await asyncio.to_thread(svc.check_create_files, req.files or {})
+
+    def produce(cancel: threading.Event):
+        return svc.create(name, req, gguf_paths)
+
+    return await _progress_answer(request, WorkerStream(produce, lambda failed: None), req.stream)
+
+
+@router.head("/api/blobs/{digest}", responses=ERRORS)
+async def blob_exists(digest: str, request: Request) -> Response:
+    svc = services(request)
+    path = svc.blob_path(digest)
+    if not await asyncio.to_thread(path.is_file):
+        raise NotFound(f'blob "{digest}" not found')
+    return Response(status_code=200)
+
+
+@router.post("/api/blobs/{digest}", status_code=201, responses={**ERRORS, 413: {"model": schemas.ErrorResponse}})
+async def blob_upload(digest: str, request: Request) -> Response:
+    svc = services(request)
+    _check_writable(svc)
+    path = svc.blob_path(digest)
+    if await asyncio.to_thread(path.is_file):
+        return Response(status_code=200)
+    return await _receive_blob(svc, digest, request)
+
+
+async def _receive_blob(svc: Services, digest: str, request: Request) -> Response:
+    """Stream the body into a temp file inside `blobs/`, hashing as it goes; verify, then rename atomically (§8 G 21)."""
+    from dgemma_cli.store import normalize_digest
+
+    expected = normalize_digest(digest)
+    svc.store.ensure_dirs()
+    tmp = svc.store.upload_path(expected)
+    free = shutil.disk_usage(svc.store.blobs_dir).free
+    cap = min(svc.config.max_upload, max(0, free - (1 << 30)))
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > cap:
+        raise RequestError("upload too large", 413)
+    hasher = hashlib.sha256()
+    size = 0
+    try:
+        with open(tmp, "wb") as out:
+            batch: list[bytes] = []
+            batch_size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > cap:
+                    raise RequestError("upload too large", 413)
+                batch.append(chunk)
+                batch_size += len(chunk)
+                if batch_size >= 1 << 20:
+                    await asyncio.to_thread(_write_batch, out, hasher, batch)
+                    batch, batch_size = [], 0
+            await asyncio.to_thread(_write_batch, out, hasher, batch)
+        actual = "sha256:" + hasher.hexdigest()
+        if actual != expected:
+            raise RequestError(f'digest mismatch, expected "{expected}", got "{actual}"')
+        await asyncio.to_thread(svc.store.commit_blob, tmp, expected)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return Response(status_code=201)
+
+
+def _write_batch(out, hasher, batch: list[bytes]) -> None:
+    for chunk in batch:
+        hasher.update(chunk)
+        out.write(chunk)
+
+
+@router.post("/api/copy", responses=ERRORS)
+async def copy(req: schemas.CopyRequest, request: Request) -> Response:
+    svc = services(request)
+    _check_writable(svc)
+    source = svc.parse_name(req.source or "", f'source "{req.source or ""}" is invalid')
+    destination = svc.parse_name(req.destination or "", f'destination "{req.destination or ""}" is invalid')
+    if not await asyncio.to_thread(svc.store.exists, source):
+        raise NotFound(f'model "{req.source}" not found')
+    await asyncio.to_thread(svc.store.copy, source, destination)
+    return Response(status_code=200)
+
+
+@router.delete("/api/delete", responses=ERRORS)
+async def delete(req: schemas.DeleteRequest, request: Request) -> Response:
+    svc = services(request)
+    _check_writable(svc)
+    name = svc.parse_name(_model_text(req.model, req.name))
+    if not await asyncio.to_thread(svc.store.exists, name):
+        raise NotFound(f"model '{req.model or req.name}' not found")
+    await svc.scheduler.unload(name.display)
+    await asyncio.to_thread(svc.store.delete, name)
+    return Response(status_code=200)
+
+
+@router.post("/api/push", status_code=501, responses={501: {"model": schemas.ErrorResponse}})
+async def push() -> JSONResponse:
+    return JSONResponse({"error": "push is not supported"}, status_code=501)
+
+
+@router.post("/api/embed", responses=ERRORS)
+@router.post("/api/embeddings", responses=ERRORS, include_in_schema=False)
+async def embed(req: schemas.EmbedRequest, request: Request) -> JSONResponse:
+    svc = services(request)
+    model = await svc.resolve(_model_text(req.model, req.name))
+    raise RequestError(f"{model.full} does not support embedding")

@@ -1,0 +1,115 @@
+"""What the scheduler keeps resident per model: a `Runner` over the engine (model, K/V context, tokenizer, template).
+
+The scheduler only needs the `Runner` protocol, so tests can put a controllable fake behind it to inject faults (slow
+steps, crashes). `EngineRunner` is the real thing over `dgemma_engine`; its methods block and run in worker threads.
+"""
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from dgemma_cli.server.errors import RequestError
+from dgemma_cli.server.options import SamplerSettings
+
+ARCHITECTURE = "diffusion-gemma"
+STOP_TOKEN_IDS = (1, 106, 50)  # <eos>, <turn|>, <|tool_response>: the reference generation config's stop set
+
+
+class Runner(Protocol):
+    canvas_length: int
+    context_length: int  # the loaded num_ctx
+    size: int  # bytes of weights + cache
+    size_vram: int  # bytes on an accelerator (0 on CPU)
+    metadata: dict[str, Any]
+    has_thinking: bool
+
+    def render_chat(self, messages: list[dict], think: bool | None) -> str: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def detokenize(self, ids: list[int]) -> str: ...
+
+    def generate(
+        self, prompt_ids: list[int], sampler: SamplerSettings, max_new_tokens: int, cancel: threading.Event
+    ) -> Iterator[Any]:
+        """Yields the generation loop's StepEvent / CanvasEvent / DoneEvent (duck-typed by their fields)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _jinja_template(local_model: Any, metadata: dict) -> str | None:
+    """Template selection of spec §4.6: a Jinja TEMPLATE layer first, then the GGUF's `tokenizer.chat_template`."""
+    template = getattr(local_model, "template", None) or None
+    config = getattr(local_model, "config", None) or {}
+    if template and config.get("template_format") == "jinja":
+        return template
+    return metadata.get("tokenizer.chat_template") or None
+
+
+class EngineRunner:
+    """A loaded model and one K/V context. One generation at a time (the scheduler's slot guarantees it)."""
+
+    def __init__(self, local_model: Any, num_ctx: int, threads: int | None = None):
+        from dgemma_engine.model import Context, Model
+        from dgemma_engine.tokenizer import Tokenizer
+
+        self.model = Model.load(str(local_model.gguf_path), threads=threads)
+        try:
+            hparams = self.model.hparams
+            self.metadata = dict(self.model.metadata)
+            architecture = self.metadata.get("general.architecture")
+            if architecture != ARCHITECTURE:
+                raise RequestError(f'model architecture "{architecture}" is not supported by dgemma')
+            self.canvas_length = int(hparams.canvas_length)
+            self.context_length = max(1, min(int(num_ctx), int(hparams.n_ctx_train)))
+            self.ctx = Context(self.model, n_ctx=self.context_length, threads=threads)
+            self.tokenizer = Tokenizer.from_metadata(self.metadata)
+        except BaseException:
+            self.model.close()
+            raise
+        self.template = _jinja_template(local_model, self.metadata)
+        self.has_thinking = bool(self.template and "enable_thinking" in self.template)
+        self.size = os.path.getsize(local_model.gguf_path)
+        self.size_vram = 0
+
+    def render_chat(self, messages: list[dict], think: bool | None) -> str:
+        from dgemma_engine.chat import render_chat
+
+        if self.template is None:  # §4.6 rule 4: the bare prompt
+            return "\n".join(str(m.get("content") or "") for m in messages)
+        return render_chat(self.template, messages, add_generation_prompt=True, enable_thinking=bool(think))
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, special=True))
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def generate(
+        self, prompt_ids: list[int], sampler: SamplerSettings, max_new_tokens: int, cancel: threading.Event
+    ) -> Iterator[Any]:
+        from dgemma_engine.generate import SamplerParams, generate
+
+        params = SamplerParams.from_metadata(
+            self.metadata,
+            max_steps=sampler.max_steps,
+            t_min=sampler.t_min,
+            t_max=sampler.t_max,
+            entropy_bound=sampler.entropy_bound,
+            confidence_threshold=sampler.confidence_threshold,
+            stability_threshold=sampler.stability_threshold,
+            seed=sampler.seed,
+        )
+        self.ctx.reset()
+        yield from generate(
+            self.ctx, prompt_ids, params, max_new_tokens=max_new_tokens,
+            eos_ids=STOP_TOKEN_IDS,
+            tokenizer=self.tokenizer,
+            cancel=cancel,
+
+        )
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()

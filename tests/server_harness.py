@@ -1,0 +1,283 @@
+"""Helpers for the server tests: a controllable fake runner, fake models in a tmp store, and two ways to run the
+server (in-process uvicorn thread for fault injection; `dgemma serve` subprocess for client conformance)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+TOKEN_OFFSET = 1000  # fake token id = ord(char) + offset, clear of the stop ids {1, 50, 106}
+EOS = 1
+
+
+# ---- the generation loop's events, as the fake runner emits them (field names from the contract) --------------------
+
+@dataclass
+class StepEvent:
+    canvas_index: int
+    step: int
+    max_steps: int
+    argmax_ids: list[int]
+    mean_entropy: float
+    accepted: int
+
+
+@dataclass
+class CanvasEvent:
+    canvas_index: int
+    ids: list[int]
+    text: str
+    steps: int
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    prompt_eval_s: float
+    canvases: int
+    steps_per_canvas: list[int]
+    committed_tokens: int
+    denoise_s: float
+    tokens_per_s: float
+
+
+@dataclass
+class DoneEvent:
+    reason: str
+    stats: GenerationStats
+
+
+@dataclass
+class FakeBehaviour:
+    """Knobs shared by every runner a factory makes (tests flip them while the server runs)."""
+
+    answer: str = "The quick brown fox jumps over the lazy dog."
+    steps: int = 3
+    step_delay: float = 0.0
+    load_delay: float = 0.0
+    canvas_length: int = 8
+    crash_at_step: int | None = None
+    loads: int = 0
+    closes: int = 0
+    generations: int = 0
+    cancelled_at: list[float] = field(default_factory=list)
+    last_prompt: list[str] = field(default_factory=list)
+    last_sampler: list[Any] = field(default_factory=list)
+
+
+class FakeRunner:
+    """One character per token; each canvas commits `canvas_length` characters of `answer`, then EOS."""
+
+    def __init__(self, behaviour: FakeBehaviour, local_model: Any, num_ctx: int):
+        self.b = behaviour
+        if behaviour.load_delay:
+            time.sleep(behaviour.load_delay)
+        behaviour.loads += 1
+        self.canvas_length = behaviour.canvas_length
+        self.context_length = num_ctx
+        self.size = 1234
+        self.size_vram = 0
+        self.metadata: dict[str, Any] = {"general.architecture": "diffusion-gemma"}
+        self.has_thinking = True
+
+    def render_chat(self, messages: list[dict], think: bool | None) -> str:
+        text = "".join(f"<{m['role']}>{m.get('content', '')}" for m in messages)
+        return text + ("<think>" if think else "") + "<assistant>"
+
+    def tokenize(self, text: str) -> list[int]:
+        return [ord(c) + TOKEN_OFFSET for c in text]
+
+    def detokenize(self, ids: list[int]) -> str:
+        return "".join(chr(i - TOKEN_OFFSET) for i in ids if i >= TOKEN_OFFSET)
+
+    def generate(self, prompt_ids, sampler, max_new_tokens, cancel):
+        b = self.b
+        b.generations += 1
+        b.last_prompt.append(self.detokenize(prompt_ids))
+        b.last_sampler.append(sampler)
+        C = self.canvas_length
+        answer = [ord(c) + TOKEN_OFFSET for c in b.answer] + [EOS]
+        started = time.perf_counter()
+        committed = 0
+        steps_per_canvas = []
+        for canvas in range(max_new_tokens // C):
+            ids = answer[canvas * C : (canvas + 1) * C]
+            ids += [0] * (C - len(ids))
+            for step in range(sampler.max_steps if b.steps is None else min(b.steps, sampler.max_steps)):
+                if cancel is not None and cancel.is_set():
+                    b.cancelled_at.append(time.perf_counter())
+                    yield DoneEvent("cancelled", self._stats(prompt_ids, started, steps_per_canvas, committed))
+                    return
+                if b.crash_at_step is not None and step == b.crash_at_step:
+                    raise RuntimeError("simulated native crash in /secret/path/engine.c")
+                if b.step_delay:
+                    time.sleep(b.step_delay)
+                yield StepEvent(canvas, step, sampler.max_steps, ids, 0.5, 1)
+            steps_per_canvas.append(step + 1)
+            text_ids = []
+            for i in ids:
+                if i == EOS:
+                    break
+                text_ids.append(i)
+            committed += len(text_ids)
+            yield CanvasEvent(canvas, ids, self.detokenize(text_ids), step + 1)
+            if EOS in ids:
+                yield DoneEvent("eos", self._stats(prompt_ids, started, steps_per_canvas, committed))
+                return
+        yield DoneEvent("length", self._stats(prompt_ids, started, steps_per_canvas, committed))
+
+    def _stats(self, prompt_ids, started, steps_per_canvas, committed) -> GenerationStats:
+        elapsed = time.perf_counter() - started
+        return GenerationStats(len(prompt_ids), 0.001, len(steps_per_canvas), steps_per_canvas, committed, elapsed,
+                               committed / elapsed if elapsed else 0.0)
+
+    def close(self) -> None:
+        self.b.closes += 1
+
+
+def fake_factory(behaviour: FakeBehaviour):
+    return lambda local_model, num_ctx: FakeRunner(behaviour, local_model, num_ctx)
+
+
+# ---- models in a tmp store ------------------------------------------------------------------------------------------
+
+def write_small_gguf(path: Path, arch: str = "diffusion-gemma", chat_template: str | None = None) -> Path:
+    """A well-formed GGUF with a few keys and one tensor (enough for store checks and `/api/show`)."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(8)
+    writer.add_file_type(0)
+    writer.add_uint32("diffusion.canvas_length", 8)
+    writer.add_uint32("diffusion.eb_max_steps", 12)
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(16)])
+    if chat_template:
+        writer.add_chat_template(chat_template)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def add_model(store, name: str, gguf: Path, parameters: dict | None = None, system: str | None = None,
+              family: str = "diffusion-gemma") -> None:
+    """Register `gguf` under `name` directly through the store API (no create pipeline needed)."""
+    from dgemma_cli.store import (CONFIG_MEDIA_TYPE, MEDIA_MODEL, MEDIA_PARAMS, MEDIA_SYSTEM, Layer, build_manifest,
+                                  canonical_json)
+
+    digest, size, _ = store.import_file(gguf)
+    layers = [Layer(MEDIA_MODEL, digest, size)]
+    if parameters:
+        layers.append(Layer(MEDIA_PARAMS, *store.write_blob(canonical_json(parameters))))
+    if system:
+        layers.append(Layer(MEDIA_SYSTEM, *store.write_blob(system.encode())))
+    config = {"model_format": "gguf", "model_family": family, "model_families": [family], "model_type": "136",
+              "file_type": "F32", "architecture": "amd64", "os": "linux"}
+    config_digest, config_size = store.write_blob(canonical_json(config))
+    store.write_manifest(name, build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers))
+
+
+# ---- running the server -------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_up(url: str, timeout: float = 20.0, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"dgemma serve exited with {process.returncode}")
+        try:
+            if httpx.head(url + "/", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError("server did not come up")
+
+
+class InProcessServer:
+    """create_app(...) served by uvicorn in a background thread on a free loopback port."""
+
+    def __init__(self, config, store, runner_factory):
+        import uvicorn
+
+        from dgemma_cli.server.app import create_app
+
+        self.port = free_port()
+        config.host = type(config.host)("http", "127.0.0.1", self.port)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = create_app(config, store, runner_factory)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "InProcessServer":
+        self.thread.start()
+        wait_until_up(self.url)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+class ServeProcess:
+    """`python -m dgemma_cli.main serve` with DGEMMA_HOST on a free loopback port and the given environment."""
+
+    def __init__(self, models_dir: Path, extra_env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, "DGEMMA_HOST": f"127.0.0.1:{self.port}", "DGEMMA_MODELS": str(models_dir),
+                    "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(extra_env or {})}
+        for var in ("DGEMMA_API_KEY", "OLLAMA_HOST", "OLLAMA_API_KEY"):
+            if extra_env is None or var not in extra_env:
+                self.env.pop(var, None)
+        self.log_path = models_dir.parent / f"serve-{self.port}.log"
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> "ServeProcess":
+        self.log = open(self.log_path, "wb")
+        self.process = subprocess.Popen([sys.executable, "-m", "dgemma_cli.main", "serve"], env=self.env,
+                                        stdout=self.log, stderr=subprocess.STDOUT, cwd=str(REPO))
+        try:
+            wait_until_up(self.url, timeout=60, process=self.process)
+        except RuntimeError:
+            self.__exit__()
+            raise RuntimeError("dgemma serve did not start:\n" + self.log_path.read_text(errors="replace"))
+        return self
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+def ndjson(response: httpx.Response) -> list[dict]:
+    return [json.loads(line) for line in response.text.splitlines() if line.strip()]
