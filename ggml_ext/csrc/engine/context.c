@@ -1,0 +1,414 @@
+// A generation context: K/V cache, encoder passes (prefill and commit), decoder steps with self-conditioning.
+//
+// Cache: one F32 K and one transposed F32 V tensor per layer, slot = absolute position. Sliding layers keep every
+// slot but only ever read the last W−1 context slots, which is exactly what transformers' DynamicCache retains.
+// The decoder writes its canvas K/V into the free slots after n_past as scratch (never committed: n_past is unchanged).
+//
+// Decoder graphs are built once per (n_past, canvas rows) in four variants [self-conditioning][output buffer]: the
+// step writes its softcapped logits into one of two persistent buffers and, with self-conditioning, reads the
+// previous step's logits from the other, so they never leave engine memory.
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "engine.h"
+
+enum { ENCODE_CHUNK = 512 };
+
+static size_t graph_nodes(const dg_model *m) {
+    return 1024 + (size_t)m->hp.n_layer * (128 + 4 * (size_t)m->hp.n_expert_used);
+}
+
+static struct ggml_context *new_graph_ctx(const dg_model *m) {
+    const size_t n = graph_nodes(m);
+    struct ggml_init_params ip = {ggml_tensor_overhead() * n * 2 + ggml_graph_overhead_custom(n, false), NULL, true};
+    return ggml_init(ip);
+}
+
+// Place a graph in the shared compute buffer. A graph may have been placed before in a buffer that has since been
+// re-planned for another graph, so its compute tensors are detached first and planned again.
+static bool place_graph(dg_context *c, struct ggml_context *gctx, struct ggml_cgraph *gf, char *err, size_t err_len) {
+    for (struct ggml_tensor *t = ggml_get_first_tensor(gctx); t; t = ggml_get_next_tensor(gctx, t)) {
+        t->data = NULL;
+        t->buffer = NULL;
+    }
+    if (c->reserved != gf) {
+        c->reserved = NULL;
+        if (!ggml_gallocr_reserve(c->galloc, gf)) {
+            dg_set_err(err, err_len, "cannot allocate the compute buffer (out of memory)");
+            return false;
+        }
+        c->reserved = gf;
+    }
+    if (!ggml_gallocr_alloc_graph(c->galloc, gf)) {
+        dg_set_err(err, err_len, "cannot allocate the compute graph (out of memory)");
+        return false;
+    }
+    return true;
+}
+
+static bool compute(dg_context *c, struct ggml_cgraph *gf, char *err, size_t err_len) {
+    if (ggml_backend_graph_compute(c->backend, gf) != GGML_STATUS_SUCCESS) {
+        dg_set_err(err, err_len, "ggml graph computation failed");
+        return false;
+    }
+    return true;
+}
+
+static dg_attn_span span_for(const dg_model *m, int il, int n_past, int n_new) {
+    dg_attn_span s = {0, n_past + n_new};
+    if (m->layers[il].sliding) {
+        const int keep = m->hp.sliding_window - 1;  // context slots a sliding layer retains
+        s.first = n_past > keep ? n_past - keep : 0;
+        s.len = n_past + n_new - s.first;
+    }
+    return s;
+}
+
+static struct ggml_tensor *embed(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *ids) {
+    return ggml_scale(ctx, ggml_get_rows(ctx, m->tok_embd, ids), m->embd_scale);
+}
+
+static bool ids_ok(const dg_model *m, const int32_t *ids, int n, char *err, size_t err_len) {
+    for (int i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= m->hp.n_vocab) {
+            dg_set_err(err, err_len, "token id %d at index %d is outside the vocabulary [0, %d)", ids[i], i,
+                       m->hp.n_vocab);
+            return false;
+        }
+    }
+    return true;
+}
+
+static void fill_positions(int32_t *pos, int first, int n) {
+    for (int i = 0; i < n; i++) pos[i] = first + i;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// encoder
+
+// Causal mask for n rows at positions n_past.. over the slots of `span`; sliding layers also hide keys ≤ p − W.
+static void fill_encoder_mask(float *mask, dg_attn_span span, int n_past, int n, int window, bool sliding) {
+    for (int t = 0; t < n; t++) {
+        const int p = n_past + t;
+        for (int j = 0; j < span.len; j++) {
+            const int s = span.first + j;
+            const bool visible = s <= p && (!sliding || s > p - window);
+            mask[(size_t)t * span.len + j] = visible ? 0.0f : -INFINITY;
+        }
+    }
+}
+
+static bool encode_chunk(dg_context *c, const int32_t *ids, int n, char *err, size_t err_len) {
+    const dg_model *m = c->model;
+    struct ggml_context *gctx = new_graph_ctx(m);
+    if (!gctx) {
+        dg_set_err(err, err_len, "out of memory");
+        return false;
+    }
+    struct ggml_cgraph *gf = ggml_new_graph_custom(gctx, graph_nodes(m), false);
+    struct ggml_tensor *ids_t = ggml_new_tensor_1d(gctx, GGML_TYPE_I32, n);
+    struct ggml_tensor *pos_t = ggml_new_tensor_1d(gctx, GGML_TYPE_I32, n);
+    ggml_set_input(ids_t);
+    ggml_set_input(pos_t);
+
+    int sliding_layer = -1, full_layer = -1;
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        if (m->layers[il].sliding && sliding_layer < 0) sliding_layer = il;
+        if (!m->layers[il].sliding && full_layer < 0) full_layer = il;
+    }
+    struct ggml_tensor *mask[2] = {NULL, NULL};  // [full, sliding]
+    dg_attn_span spans[2] = {{0, 0}, {0, 0}};
+    for (int kind = 0; kind < 2; kind++) {
+        int il = kind ? sliding_layer : full_layer;
+        if (il < 0) continue;
+        spans[kind] = span_for(m, il, c->n_past, n);
+        mask[kind] = ggml_new_tensor_2d(gctx, GGML_TYPE_F32, spans[kind].len, n);
+        ggml_set_input(mask[kind]);
+    }
+
+    struct ggml_tensor *x = embed(gctx, m, ids_t);
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        const int kind = m->layers[il].sliding;
+        const bool last = il == m->hp.n_layer - 1;  // its output feeds nothing: store K/V only
+        x = dg_build_layer(gctx, gf, m, c, il, x, pos_t, mask[kind], c->n_past, spans[kind], true, last);
+    }
+
+    bool ok = place_graph(c, gctx, gf, err, err_len);
+    if (ok) {
+        int32_t *pos = malloc(sizeof(int32_t) * (size_t)n);
+        ok = pos != NULL;
+        if (ok) {
+            fill_positions(pos, c->n_past, n);
+            ggml_backend_tensor_set(ids_t, ids, 0, ggml_nbytes(ids_t));
+            ggml_backend_tensor_set(pos_t, pos, 0, ggml_nbytes(pos_t));
+            free(pos);
+            for (int kind = 0; kind < 2; kind++) {
+                if (!mask[kind]) continue;
+                fill_encoder_mask(mask[kind]->data, spans[kind], c->n_past, n, m->hp.sliding_window, kind == 1);
+            }
+            ok = compute(c, gf, err, err_len);
+        } else {
+            dg_set_err(err, err_len, "out of memory");
+        }
+    }
+    c->reserved = NULL;  // this graph is freed now
+    ggml_free(gctx);
+    if (ok) c->n_past += n;
+    return ok;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// decoder
+
+static void free_step_graphs(dg_context *c) {
+    for (int s = 0; s < 2; s++) {
+        for (int o = 0; o < 2; o++) {
+            dg_step_graph *g = &c->steps[s][o];
+            if (g->ctx) {
+                if (c->reserved == g->gf) c->reserved = NULL;
+                ggml_free(g->ctx);
+            }
+            memset(g, 0, sizeof(*g));
+        }
+    }
+    c->steps_n_past = -1;
+    c->steps_n_rows = -1;
+}
+
+static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, int out, int n) {
+    const dg_model *m = c->model;
+    const int64_t V = m->hp.n_vocab;
+    g->ctx = new_graph_ctx(m);
+    if (!g->ctx) return false;
+    struct ggml_context *ctx = g->ctx;
+    g->gf = ggml_new_graph_custom(ctx, graph_nodes(m), false);
+    g->ids = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+    g->pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+    ggml_set_input(g->ids);
+    ggml_set_input(g->pos);
+
+    struct ggml_tensor *e = embed(ctx, m, g->ids);
+    if (self_cond) {
+        // soft embedding of the previous step's tempered distribution, through the SC gated MLP (model.md §d)
+        g->inv_temp = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 1);
+        ggml_set_input(g->inv_temp);
+        struct ggml_tensor *prev = c->logits[1 - out];
+        prev = ggml_view_2d(ctx, prev, V, n, prev->nb[1], 0);
+        struct ggml_tensor *p = ggml_soft_max(ctx, ggml_mul(ctx, prev, g->inv_temp));       // [V, n]
+        struct ggml_tensor *soft = ggml_scale(ctx, ggml_mul_mat(ctx, m->embd_t, p), m->embd_scale);  // [H, n]
+        struct ggml_tensor *u = dg_build_rmsw(ctx, m, soft, m->sc_pre_norm);
+        e = ggml_add(ctx, e, dg_build_gated_mlp(ctx, u, m->sc_gate, m->sc_up, m->sc_down));
+    }
+    struct ggml_tensor *x = ggml_rms_norm(ctx, e, m->hp.rms_eps);  // weight-less post_norm
+
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        x = dg_build_layer(ctx, g->gf, m, c, il, x, g->pos, NULL, c->n_past, span_for(m, il, c->n_past, n), false,
+                           false);
+    }
+    x = dg_build_rmsw(ctx, m, x, m->output_norm);
+    struct ggml_tensor *logits = ggml_mul_mat(ctx, m->output ? m->output : m->tok_embd, x);  // [V, n]
+    const float cap = m->hp.logit_softcap;
+    logits = ggml_scale(ctx, ggml_tanh(ctx, ggml_scale(ctx, logits, 1.0f / cap)), cap);
+    struct ggml_tensor *dst = ggml_view_2d(ctx, c->logits[out], V, n, c->logits[out]->nb[1], 0);
+    ggml_build_forward_expand(g->gf, ggml_cpy(ctx, logits, dst));
+    return true;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// exported API
+
+DG_API dg_model *dg_model_load(const char *path, int n_threads, char *err, size_t err_len) {
+    return dg_model_load_impl(path, n_threads, err, err_len);
+}
+
+DG_API void dg_model_free(dg_model *m) { dg_model_free_impl(m); }
+
+DG_API const dg_hparams *dg_model_hparams(const dg_model *m) { return &m->hp; }
+
+DG_API const struct gguf_context *dg_model_gguf(const dg_model *m) { return m->gguf; }
+
+DG_API const char *dg_model_warnings(const dg_model *m) { return m->warnings; }
+
+DG_API size_t dg_model_file_size(const dg_model *m) { return m->map_size; }
+
+DG_API size_t dg_hparams_size(void) { return sizeof(dg_hparams); }
+
+DG_API dg_context *dg_context_new(dg_model *m, int n_ctx, int n_threads, char *err, size_t err_len) {
+    if (err && err_len) err[0] = 0;
+    if (n_ctx < 1 || n_ctx > (1 << 24)) {
+        dg_set_err(err, err_len, "n_ctx must be in [1, %d], got %d", 1 << 24, n_ctx);
+        return NULL;
+    }
+    dg_context *c = calloc(1, sizeof(dg_context));
+    if (!c) {
+        dg_set_err(err, err_len, "out of memory");
+        return NULL;
+    }
+    c->model = m;
+    c->n_ctx = n_ctx;
+    c->last = -1;
+    c->steps_n_past = c->steps_n_rows = -1;
+    if (n_threads <= 0) n_threads = m->n_threads > 0 ? m->n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    if (n_threads <= 0) n_threads = 1;
+
+    const int L = m->hp.n_layer;
+    c->backend = ggml_backend_cpu_init();
+    c->k_cache = calloc((size_t)L, sizeof(struct ggml_tensor *));
+    c->v_cache = calloc((size_t)L, sizeof(struct ggml_tensor *));
+    struct ggml_init_params ip = {ggml_tensor_overhead() * (2 * (size_t)L + 2), NULL, true};
+    c->ctx_state = ggml_init(ip);
+    if (!c->backend || !c->k_cache || !c->v_cache || !c->ctx_state) {
+        dg_set_err(err, err_len, "cannot initialise the CPU backend");
+        goto fail;
+    }
+    ggml_backend_cpu_set_n_threads(c->backend, n_threads);
+    for (int il = 0; il < L; il++) {
+        const dg_layer *ly = &m->layers[il];
+        c->k_cache[il] = ggml_new_tensor_3d(c->ctx_state, GGML_TYPE_F32, ly->head_dim, ly->n_head_kv, n_ctx);
+        c->v_cache[il] = ggml_new_tensor_3d(c->ctx_state, GGML_TYPE_F32, n_ctx, ly->head_dim, ly->n_head_kv);
+    }
+    for (int i = 0; i < 2; i++) {
+        c->logits[i] = ggml_new_tensor_2d(c->ctx_state, GGML_TYPE_F32, m->hp.n_vocab, m->hp.canvas_length);
+    }
+    c->buf_state = ggml_backend_alloc_ctx_tensors(c->ctx_state, c->backend);
+    if (!c->buf_state) {
+        size_t bytes = 0;
+        for (struct ggml_tensor *t = ggml_get_first_tensor(c->ctx_state); t; t = ggml_get_next_tensor(c->ctx_state, t)) {
+            bytes += ggml_nbytes(t);
+        }
+        dg_set_err(err, err_len, "cannot allocate %.1f MiB for the K/V cache and logits (n_ctx %d)", bytes / 1048576.0,
+                   n_ctx);
+        goto fail;
+    }
+    for (int i = 0; i < 2; i++) memset(c->logits[i]->data, 0, ggml_nbytes(c->logits[i]));
+    c->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(c->backend));
+    if (!c->galloc) {
+        dg_set_err(err, err_len, "cannot create the graph allocator");
+        goto fail;
+    }
+    return c;
+fail:
+    if (c->ctx_state) ggml_free(c->ctx_state);
+    if (c->backend) ggml_backend_free(c->backend);
+    free(c->k_cache);
+    free(c->v_cache);
+    free(c);
+    return NULL;
+}
+
+DG_API void dg_context_free(dg_context *c) {
+    if (!c) return;
+    free_step_graphs(c);
+    if (c->galloc) ggml_gallocr_free(c->galloc);
+    if (c->buf_state) ggml_backend_buffer_free(c->buf_state);
+    if (c->ctx_state) ggml_free(c->ctx_state);
+    if (c->backend) ggml_backend_free(c->backend);
+    free(c->k_cache);
+    free(c->v_cache);
+    free(c);
+}
+
+DG_API int dg_context_n_past(const dg_context *c) { return c->n_past; }
+
+DG_API void dg_context_reset(dg_context *c) {
+    c->n_past = 0;
+    c->last = -1;
+    c->last_rows = 0;
+    free_step_graphs(c);
+}
+
+DG_API int dg_context_encode(dg_context *c, const int32_t *ids, int n, char *err, size_t err_len) {
+    if (err && err_len) err[0] = 0;
+    if (n < 0) {
+        dg_set_err(err, err_len, "negative token count");
+        return -1;
+    }
+    if (n > c->n_ctx - c->n_past) {
+        dg_set_err(err, err_len, "encoding %d tokens would exceed the context: %d cached, n_ctx %d", n, c->n_past,
+                   c->n_ctx);
+        return -1;
+    }
+    if (!ids_ok(c->model, ids, n, err, err_len)) return -1;
+    for (int off = 0; off < n; off += ENCODE_CHUNK) {
+        const int nc = n - off < ENCODE_CHUNK ? n - off : ENCODE_CHUNK;
+        if (!encode_chunk(c, ids + off, nc, err, err_len)) return -1;
+    }
+    return 0;
+}
+
+DG_API float *dg_context_step(dg_context *c, const int32_t *ids, int n, int use_self_cond, float inv_temp, char *err,
+                              size_t err_len) {
+    if (err && err_len) err[0] = 0;
+    const dg_model *m = c->model;
+    if (n < 1 || n > m->hp.canvas_length) {
+        dg_set_err(err, err_len, "canvas has %d tokens; 1..%d allowed", n, m->hp.canvas_length);
+        return NULL;
+    }
+    if (n > c->n_ctx - c->n_past) {
+        dg_set_err(err, err_len, "a %d-token canvas does not fit after %d cached tokens (n_ctx %d)", n, c->n_past,
+                   c->n_ctx);
+        return NULL;
+    }
+    if (!ids_ok(m, ids, n, err, err_len)) return NULL;
+    const bool sc = use_self_cond && m->hp.has_self_cond;
+    if (sc) {
+        if (c->last < 0 || c->last_rows != n) {
+            dg_set_err(err, err_len, "self-conditioning needs the previous step's logits for %d canvas rows", n);
+            return NULL;
+        }
+        if (!(inv_temp > 0.0f) || !isfinite(inv_temp)) {
+            dg_set_err(err, err_len, "self-conditioning temperature must be positive and finite");
+            return NULL;
+        }
+    }
+    if (c->steps_n_past != c->n_past || c->steps_n_rows != n) {
+        free_step_graphs(c);
+        c->steps_n_past = c->n_past;
+        c->steps_n_rows = n;
+    }
+    const int out = c->last == 0 ? 1 : 0;  // never overwrite the logits the self-conditioning reads
+    dg_step_graph *g = &c->steps[sc][out];
+    if (!g->gf && !build_step_graph(c, g, sc, out, n)) {
+        dg_set_err(err, err_len, "out of memory while building the decoder graph");
+        return NULL;
+    }
+    if (!place_graph(c, g->ctx, g->gf, err, err_len)) return NULL;
+    int32_t *pos = malloc(sizeof(int32_t) * (size_t)n);
+    if (!pos) {
+        dg_set_err(err, err_len, "out of memory");
+        return NULL;
+    }
+    fill_positions(pos, c->n_past, n);
+    ggml_backend_tensor_set(g->ids, ids, 0, ggml_nbytes(g->ids));
+    ggml_backend_tensor_set(g->pos, pos, 0, ggml_nbytes(g->pos));
+    free(pos);
+    if (sc) ggml_backend_tensor_set(g->inv_temp, &inv_temp, 0, sizeof(float));
+    if (!compute(c, g->gf, err, err_len)) return NULL;
+    c->last = out;
+    c->last_rows = n;
+    return c->logits[out]->data;
+}
+
+// Overwrite "the previous step's raw logits" (rows × n_vocab floats). Written into the buffer the last step did not
+// use, so a view of the last step's logits stays valid until the next step.
+DG_API int dg_context_set_self_cond(dg_context *c, const float *data, int rows, char *err, size_t err_len) {
+    if (err && err_len) err[0] = 0;
+    if (rows < 1 || rows > c->model->hp.canvas_length) {
+        dg_set_err(err, err_len, "self-conditioning logits have %d rows; 1..%d allowed", rows,
+                   c->model->hp.canvas_length);
+        return -1;
+    }
+    const int target = c->last == 0 ? 1 : 0;
+    memcpy(c->logits[target]->data, data, sizeof(float) * (size_t)rows * (size_t)c->model->hp.n_vocab);
+    c->last = target;
+    c->last_rows = rows;
+    return 0;
+}
+
+// Logits of the last step (or set_self_cond), NULL if none.
+DG_API float *dg_context_logits(const dg_context *c) { return c->last < 0 ? NULL : c->logits[c->last]->data; }
+
+DG_API int dg_context_logits_rows(const dg_context *c) { return c->last < 0 ? 0 : c->last_rows; }

@@ -1,0 +1,131 @@
+// dgemma engine: DiffusionGemma on ggml's CPU backend.
+//
+// One model = one memory-mapped GGUF whose weight tensors point straight into the mapping, plus a transposed copy of
+// the token embedding (self-conditioning contracts over the vocabulary). One context = a K/V cache, the ping-pong
+// logits buffers and the decoder graphs of the current (context length, canvas length).
+// Every exported function reports failure through a caller-provided error buffer; nothing aborts on bad input.
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+#include "gguf.h"
+
+#define DG_API __attribute__((visibility("default")))
+#define DG_MAX_LAYERS 512
+
+// Hyper-parameters as read from the GGUF (mirrored by ctypes in model.py: keep the field order).
+typedef struct dg_hparams {
+    int32_t n_vocab;
+    int32_t n_embd;
+    int32_t n_layer;
+    int32_t n_head;
+    int32_t n_ff;          // dense MLP width = self-conditioning MLP width
+    int32_t n_ff_exp;      // per-expert width
+    int32_t n_expert;
+    int32_t n_expert_used;
+    int32_t canvas_length;
+    int32_t sliding_window;  // W, tokens including self
+    int32_t n_ctx_train;
+    int32_t head_dim_full;
+    int32_t head_dim_swa;
+    float rms_eps;
+    float logit_softcap;
+    float rope_base_full;
+    float rope_base_swa;
+    int32_t has_self_cond;
+    int32_t has_output;      // untied LM head present
+    int32_t split_experts;   // ffn_gate_exps + ffn_up_exps instead of the fused ffn_gate_up_exps
+    int32_t has_enc_scale;   // encoder layer scalars present (else the decoder's are used)
+    uint8_t is_sliding[DG_MAX_LAYERS];
+    int32_t n_head_kv[DG_MAX_LAYERS];
+} dg_hparams;
+
+typedef struct dg_layer {
+    bool sliding;
+    int n_head_kv;
+    int head_dim;
+
+    struct ggml_tensor *attn_norm, *wq, *q_norm, *wk, *k_norm, *wv, *wo, *post_attn_norm;
+    struct ggml_tensor *ffn_norm, *ffn_gate, *ffn_up, *ffn_down, *post_ffw_norm_1;
+    struct ggml_tensor *router, *router_scale, *pre_ffw_norm_2;
+    struct ggml_tensor *gate_up_exps, *gate_exps, *up_exps, *down_exps, *expert_scale;
+    struct ggml_tensor *post_ffw_norm_2, *post_ffw_norm;
+    struct ggml_tensor *dec_scale, *enc_scale;  // layer scalars (decoder λ, encoder λ)
+} dg_layer;
+
+typedef struct dg_model {
+    dg_hparams hp;
+    struct gguf_context *gguf;
+    struct ggml_context *ctx_file;   // tensor metadata of the file (data points into the mapping)
+    void *map;
+    size_t map_size;
+    ggml_backend_buffer_t buf_file;  // wraps the mapping, never owns it
+    struct ggml_context *ctx_extra;  // tensors made at load time
+    ggml_backend_buffer_t buf_extra;
+
+    struct ggml_tensor *tok_embd, *embd_t, *output, *output_norm, *rope_freqs;
+    struct ggml_tensor *sc_pre_norm, *sc_gate, *sc_up, *sc_down;
+    dg_layer *layers;
+    float embd_scale;  // sqrt(H) in fp32 (the fixtures are fp32 transformers runs)
+    int n_threads;
+    char warnings[1024];
+} dg_model;
+
+// Graph inputs and output of one decoder step variant.
+typedef struct dg_step_graph {
+    struct ggml_context *ctx;
+    struct ggml_cgraph *gf;
+    struct ggml_tensor *ids, *pos, *inv_temp;
+} dg_step_graph;
+
+typedef struct dg_context {
+    dg_model *model;
+    int n_ctx;
+    int n_past;
+    ggml_backend_t backend;
+    ggml_gallocr_t galloc;
+    struct ggml_cgraph *reserved;  // graph the allocator was last planned for
+
+    struct ggml_context *ctx_state;
+    ggml_backend_buffer_t buf_state;
+    struct ggml_tensor **k_cache;  // per layer: [head_dim, n_head_kv, n_ctx]
+    struct ggml_tensor **v_cache;  // per layer, transposed: [n_ctx, head_dim, n_head_kv]
+    struct ggml_tensor *logits[2]; // ping-pong [n_vocab, canvas_length]
+    int last;                      // buffer holding the previous step's raw logits, -1 if none
+    int last_rows;
+
+    // decoder graphs of the current geometry, [self-conditioning][output buffer]
+    dg_step_graph steps[2][2];
+    int steps_n_past;
+    int steps_n_rows;
+} dg_context;
+
+// model.c
+dg_model *dg_model_load_impl(const char *path, int n_threads, char *err, size_t err_len);
+void dg_model_free_impl(dg_model *m);
+
+// gguf_check.c: validate the raw bytes of a GGUF before ggml parses it.
+bool dg_gguf_check(const uint8_t *data, size_t size, char *err, size_t err_len);
+
+// graph.c
+typedef struct dg_attn_span {
+    int first;   // first cache slot the queries attend to
+    int len;     // number of slots (context + new rows)
+} dg_attn_span;
+
+struct ggml_tensor *dg_build_layer(struct ggml_context *ctx, struct ggml_cgraph *gf, const dg_model *m,
+                                   const dg_context *c, int il, struct ggml_tensor *x, struct ggml_tensor *pos,
+                                   struct ggml_tensor *mask, int slot0, dg_attn_span span, bool encoder,
+                                   bool kv_only);
+struct ggml_tensor *dg_build_rmsw(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x,
+                                  struct ggml_tensor *w);
+struct ggml_tensor *dg_build_gated_mlp(struct ggml_context *ctx, struct ggml_tensor *x, struct ggml_tensor *gate,
+                                       struct ggml_tensor *up, struct ggml_tensor *down);
+
+void dg_set_err(char *err, size_t err_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

@@ -1,0 +1,135 @@
+// Graph builders for one DiffusionGemma layer (spec model.md §b), shared by the encoder and the decoder.
+//
+// Exactness notes (each is covered by a test against transformers):
+// - GELU is composed from tanh and arithmetic: ggml's gelu/geglu on the CPU go through an fp16 lookup table.
+// - RoPE is NEOX with n_dims = head_dim; full layers get the partial rotary through `rope_freqs` factors.
+// - Attention scale is 1.0 (q and k are RMS-normalised instead).
+#include <math.h>
+
+#include "engine.h"
+
+struct ggml_tensor *dg_build_rmsw(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x,
+                                  struct ggml_tensor *w) {
+    struct ggml_tensor *y = ggml_rms_norm(ctx, x, m->hp.rms_eps);
+    return w ? ggml_mul(ctx, y, w) : y;
+}
+
+// gelu_tanh(x) = 0.5·x·(1 + tanh(sqrt(2/π)·(x + 0.044715·x³))), from exact f32 ops
+static struct ggml_tensor *gelu_tanh(struct ggml_context *ctx, struct ggml_tensor *x) {
+    const float sqrt_2_over_pi = 0.79788456080286535588f;
+    struct ggml_tensor *inner = ggml_mul(ctx, x, ggml_scale_bias(ctx, ggml_sqr(ctx, x), 0.044715f, 1.0f));
+    struct ggml_tensor *t = ggml_tanh(ctx, ggml_scale(ctx, inner, sqrt_2_over_pi));
+    return ggml_mul(ctx, x, ggml_scale_bias(ctx, t, 0.5f, 0.5f));
+}
+
+struct ggml_tensor *dg_build_gated_mlp(struct ggml_context *ctx, struct ggml_tensor *x, struct ggml_tensor *gate,
+                                       struct ggml_tensor *up, struct ggml_tensor *down) {
+    struct ggml_tensor *g = ggml_mul_mat(ctx, gate, x);
+    struct ggml_tensor *u = ggml_mul_mat(ctx, up, x);
+    return ggml_mul_mat(ctx, down, ggml_mul(ctx, gelu_tanh(ctx, g), u));
+}
+
+// Router on the raw residual, experts on pre_feedforward_layernorm_2(a) (model.md §b.5). a: [H, T]
+static struct ggml_tensor *build_moe(struct ggml_context *ctx, const dg_model *m, const dg_layer *L,
+                                     struct ggml_tensor *a) {
+    const int64_t H = m->hp.n_embd, E = m->hp.n_expert, K = m->hp.n_expert_used, FFe = m->hp.n_ff_exp;
+    const int64_t T = a->ne[1];
+
+    struct ggml_tensor *r = ggml_mul(ctx, ggml_rms_norm(ctx, a, m->hp.rms_eps), L->router_scale);
+    r = ggml_scale(ctx, r, 1.0f / sqrtf((float)H));
+    struct ggml_tensor *probs = ggml_soft_max(ctx, ggml_mul_mat(ctx, L->router, r));  // [E, T], softmax before top-k
+    struct ggml_tensor *idx = ggml_top_k(ctx, probs, (int)K);  // [K, T], contiguous, order irrelevant
+
+    struct ggml_tensor *w = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, E, T), idx);  // [1, K, T]
+    w = ggml_reshape_2d(ctx, w, K, T);
+    w = ggml_div(ctx, w, ggml_sum_rows(ctx, w));  // renormalise the K weights
+    struct ggml_tensor *pes = ggml_get_rows(ctx, ggml_reshape_2d(ctx, L->expert_scale, 1, E),
+                                            ggml_reshape_1d(ctx, idx, K * T));  // [1, K*T]
+    w = ggml_mul(ctx, w, ggml_reshape_2d(ctx, pes, K, T));  // per-expert scale after renormalisation
+    w = ggml_reshape_3d(ctx, w, 1, K, T);
+
+    struct ggml_tensor *xe = ggml_reshape_3d(ctx, dg_build_rmsw(ctx, m, a, L->pre_ffw_norm_2), H, 1, T);
+    struct ggml_tensor *gate, *up;
+    if (L->gate_up_exps) {
+        // fused [H, 2·FFe, E]: output rows [0, FFe) are gate, [FFe, 2·FFe) are up
+        struct ggml_tensor *gu = ggml_mul_mat_id(ctx, L->gate_up_exps, xe, idx);  // [2·FFe, K, T]
+        gate = ggml_cont(ctx, ggml_view_3d(ctx, gu, FFe, K, T, gu->nb[1], gu->nb[2], 0));
+        up = ggml_view_3d(ctx, gu, FFe, K, T, gu->nb[1], gu->nb[2], FFe * ggml_element_size(gu));
+    } else {
+        gate = ggml_mul_mat_id(ctx, L->gate_exps, xe, idx);
+        up = ggml_mul_mat_id(ctx, L->up_exps, xe, idx);
+    }
+    struct ggml_tensor *act = ggml_mul(ctx, gelu_tanh(ctx, gate), up);         // [FFe, K, T]
+    struct ggml_tensor *y = ggml_mul_mat_id(ctx, L->down_exps, act, idx);      // [H, K, T]
+    y = ggml_mul(ctx, y, w);
+
+    struct ggml_tensor *out = ggml_view_2d(ctx, y, H, T, y->nb[2], 0);
+    for (int64_t k = 1; k < K; k++) {
+        out = ggml_add(ctx, out, ggml_view_2d(ctx, y, H, T, y->nb[2], k * y->nb[1]));
+    }
+    return out;
+}
+
+// Attention for T rows at cache slots [slot0, slot0+T): their K/V are stored in the cache first, then the rows attend
+// to the slots [span.first, span.first + span.len). mask: [span.len, T] or NULL (decoder: no mask at all).
+static struct ggml_tensor *build_attention(struct ggml_context *ctx, struct ggml_cgraph *gf, const dg_model *m,
+                                           const dg_context *c, int il, struct ggml_tensor *h,
+                                           struct ggml_tensor *pos, struct ggml_tensor *mask, int slot0,
+                                           dg_attn_span span, bool kv_only) {
+    const dg_layer *L = &m->layers[il];
+    const int64_t hd = L->head_dim, nkv = L->n_head_kv, nh = m->hp.n_head, T = h->ne[1];
+    const float base = L->sliding ? m->hp.rope_base_swa : m->hp.rope_base_full;
+    struct ggml_tensor *freq_factors = L->sliding ? NULL : m->rope_freqs;
+    const int n_ctx_orig = m->hp.n_ctx_train;
+
+    struct ggml_tensor *kr = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L->wk, h), hd, nkv, T);
+    struct ggml_tensor *vr = L->wv ? ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L->wv, h), hd, nkv, T) : kr;
+    struct ggml_tensor *k = dg_build_rmsw(ctx, m, kr, L->k_norm);
+    k = ggml_rope_ext(ctx, k, pos, freq_factors, (int)hd, GGML_ROPE_TYPE_NEOX, n_ctx_orig, base, 1.0f, 0.0f, 1.0f,
+                      0.0f, 0.0f);
+    struct ggml_tensor *v = ggml_rms_norm(ctx, vr, m->hp.rms_eps);  // weight-less, no RoPE
+
+    // store: K as [hd, nkv, slot], V transposed as [slot, hd, nkv] so that P·V needs no copy
+    struct ggml_tensor *kc = c->k_cache[il], *vc = c->v_cache[il];
+    struct ggml_tensor *k_dst = ggml_view_3d(ctx, kc, hd, nkv, T, kc->nb[1], kc->nb[2], (size_t)slot0 * kc->nb[2]);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, k, k_dst));
+    struct ggml_tensor *v_dst = ggml_view_2d(ctx, vc, T, hd * nkv, vc->nb[1], (size_t)slot0 * vc->nb[0]);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_transpose(ctx, ggml_reshape_2d(ctx, v, hd * nkv, T)), v_dst));
+    if (kv_only) return NULL;
+
+    struct ggml_tensor *q = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L->wq, h), hd, nh, T);
+    q = dg_build_rmsw(ctx, m, q, L->q_norm);
+    q = ggml_rope_ext(ctx, q, pos, freq_factors, (int)hd, GGML_ROPE_TYPE_NEOX, n_ctx_orig, base, 1.0f, 0.0f, 1.0f,
+                      0.0f, 0.0f);
+    q = ggml_permute(ctx, q, 0, 2, 1, 3);  // [hd, T, nh]
+
+    struct ggml_tensor *keys = ggml_view_3d(ctx, kc, hd, span.len, nkv, kc->nb[2], kc->nb[1],
+                                            (size_t)span.first * kc->nb[2]);  // [hd, S, nkv]
+    struct ggml_tensor *kq = ggml_mul_mat(ctx, keys, q);                    // [S, T, nh]; GQA by broadcast
+    kq = ggml_soft_max_ext(ctx, kq, mask, 1.0f, 0.0f);
+    struct ggml_tensor *vals = ggml_view_3d(ctx, vc, span.len, hd, nkv, vc->nb[1], vc->nb[1] * hd,
+                                            (size_t)span.first * vc->nb[0]);  // [S, hd, nkv]
+    struct ggml_tensor *kqv = ggml_mul_mat(ctx, vals, kq);                      // [hd, T, nh]
+    struct ggml_tensor *out = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), hd * nh, T);
+    return ggml_mul_mat(ctx, L->wo, out);
+}
+
+// One layer (model.md §b.6). Encoder: causal mask + encoder λ; decoder: no mask + decoder λ.
+// kv_only: the encoder's last layer, whose output nothing reads; only its K/V are stored.
+struct ggml_tensor *dg_build_layer(struct ggml_context *ctx, struct ggml_cgraph *gf, const dg_model *m,
+                                   const dg_context *c, int il, struct ggml_tensor *x, struct ggml_tensor *pos,
+                                   struct ggml_tensor *mask, int slot0, dg_attn_span span, bool encoder,
+                                   bool kv_only) {
+    const dg_layer *L = &m->layers[il];
+    struct ggml_tensor *h = dg_build_rmsw(ctx, m, x, L->attn_norm);
+    struct ggml_tensor *o = build_attention(ctx, gf, m, c, il, h, pos, mask, slot0, span, kv_only);
+    if (kv_only) return NULL;
+    struct ggml_tensor *a = ggml_add(ctx, x, dg_build_rmsw(ctx, m, o, L->post_attn_norm));
+
+    struct ggml_tensor *u = dg_build_rmsw(ctx, m, a, L->ffn_norm);
+    struct ggml_tensor *h1 = dg_build_rmsw(ctx, m, dg_build_gated_mlp(ctx, u, L->ffn_gate, L->ffn_up, L->ffn_down),
+                                           L->post_ffw_norm_1);
+    struct ggml_tensor *h2 = dg_build_rmsw(ctx, m, build_moe(ctx, m, L, a), L->post_ffw_norm_2);
+    struct ggml_tensor *y = ggml_add(ctx, a, dg_build_rmsw(ctx, m, ggml_add(ctx, h1, h2), L->post_ffw_norm));
+    return ggml_mul(ctx, y, encoder ? L->enc_scale : L->dec_scale);
+}

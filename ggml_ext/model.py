@@ -1,0 +1,335 @@
+"""Python binding of the C engine (`dgemma_engine._engine`, ctypes): load a GGUF, encode, run decoder steps.
+
+    m = Model.load("model.gguf")                 # memory-mapped, every tensor validated
+    ctx = Context(m, n_ctx=4096)
+    ctx.encode(prompt_ids)                       # causal prefill into the K/V cache
+    raw = ctx.step(canvas_ids)                   # first step of a canvas: no self-conditioning
+    raw = ctx.step(canvas_ids, sc_temperature=t) # later steps: SC from the previous step's logits / t, inside the engine
+    ctx.encode(committed_canvas)                 # commit a finished canvas
+
+`step` returns a read-only view of engine memory, valid until the next step.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dgemma_engine._lib import load_library
+from dgemma_engine.errors import EngineError
+
+log = logging.getLogger("dgemma.engine")
+
+_ERR_LEN = 1024
+_MAX_LAYERS = 512  # DG_MAX_LAYERS in engine.h
+
+
+class _HParamsC(ctypes.Structure):
+    """Mirror of `dg_hparams` in csrc/engine/engine.h (same field order)."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "n_vocab", "n_embd", "n_layer", "n_head", "n_ff", "n_ff_exp", "n_expert", "n_expert_used", "canvas_length",
+        "sliding_window", "n_ctx_train", "head_dim_full", "head_dim_swa")]
+    _fields_ += [(name, ctypes.c_float) for name in ("rms_eps", "logit_softcap", "rope_base_full", "rope_base_swa")]
+    _fields_ += [(name, ctypes.c_int32) for name in ("has_self_cond", "has_output", "split_experts", "has_enc_scale")]
+    _fields_ += [("is_sliding", ctypes.c_uint8 * _MAX_LAYERS), ("n_head_kv", ctypes.c_int32 * _MAX_LAYERS)]
+
+
+@dataclass(frozen=True)
+class HParams:
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_ff: int
+    n_ff_exp: int
+    n_expert: int
+    n_expert_used: int
+    canvas_length: int
+    sliding_window: int
+    n_ctx_train: int
+    rms_eps: float
+    logit_softcap: float
+    head_dim_full: int
+    head_dim_swa: int
+    rope_base_full: float
+    rope_base_swa: float
+    layer_sliding: tuple[bool, ...]   # per layer: sliding-window attention (else full)
+    layer_n_head_kv: tuple[int, ...]
+    layer_head_dim: tuple[int, ...]
+    has_self_cond: bool
+    has_output: bool                  # untied LM head in the file
+    split_experts: bool
+    has_enc_scale: bool
+
+    @classmethod
+    def _from_c(cls, c: _HParamsC) -> HParams:
+        n = c.n_layer
+        sliding = tuple(bool(c.is_sliding[i]) for i in range(n))
+        return cls(
+            n_vocab=c.n_vocab, n_embd=c.n_embd, n_layer=n, n_head=c.n_head, n_ff=c.n_ff, n_ff_exp=c.n_ff_exp,
+            n_expert=c.n_expert, n_expert_used=c.n_expert_used, canvas_length=c.canvas_length,
+            sliding_window=c.sliding_window, n_ctx_train=c.n_ctx_train, rms_eps=c.rms_eps,
+            logit_softcap=c.logit_softcap, head_dim_full=c.head_dim_full, head_dim_swa=c.head_dim_swa,
+            rope_base_full=c.rope_base_full, rope_base_swa=c.rope_base_swa, layer_sliding=sliding,
+            layer_n_head_kv=tuple(c.n_head_kv[i] for i in range(n)),
+            layer_head_dim=tuple(c.head_dim_swa if s else c.head_dim_full for s in sliding),
+            has_self_cond=bool(c.has_self_cond), has_output=bool(c.has_output),
+            split_experts=bool(c.split_experts), has_enc_scale=bool(c.has_enc_scale),
+        )
+
+
+@functools.cache
+def _engine() -> ctypes.CDLL:
+    lib = load_library("engine")
+    P, I, S, F, C = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_float, ctypes.c_char_p
+    sigs = {
+        "dg_model_load": (P, [C, I, C, S]),
+        "dg_model_free": (None, [P]),
+        "dg_model_hparams": (ctypes.POINTER(_HParamsC), [P]),
+        "dg_model_gguf": (P, [P]),
+        "dg_model_warnings": (C, [P]),
+        "dg_model_file_size": (S, [P]),
+        "dg_hparams_size": (S, []),
+        "dg_context_new": (P, [P, I, I, C, S]),
+        "dg_context_free": (None, [P]),
+        "dg_context_n_past": (I, [P]),
+        "dg_context_reset": (None, [P]),
+        "dg_context_encode": (I, [P, P, I, C, S]),
+        "dg_context_step": (P, [P, P, I, I, F, C, S]),
+        "dg_context_set_self_cond": (I, [P, P, I, C, S]),
+        "dg_context_logits": (P, [P]),
+        "dg_context_logits_rows": (I, [P]),
+        # ggml's GGUF reader (resolved through the engine's dependency on libggml-base)
+        "gguf_get_n_kv": (ctypes.c_int64, [P]),
+        "gguf_get_key": (C, [P, ctypes.c_int64]),
+        "gguf_get_kv_type": (I, [P, ctypes.c_int64]),
+        "gguf_get_arr_type": (I, [P, ctypes.c_int64]),
+        "gguf_get_arr_n": (S, [P, ctypes.c_int64]),
+        "gguf_get_arr_data": (P, [P, ctypes.c_int64]),
+        "gguf_get_arr_str": (C, [P, ctypes.c_int64, S]),
+        "gguf_get_val_str": (C, [P, ctypes.c_int64]),
+        "gguf_get_val_data": (P, [P, ctypes.c_int64]),
+    }
+    for name, (restype, argtypes) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    if lib.dg_hparams_size() != ctypes.sizeof(_HParamsC):
+        raise EngineError("the engine library does not match its Python binding; rebuild dgemma")
+    return lib
+
+
+def _error(buf: ctypes.Array) -> str:
+    return buf.value.decode("utf-8", "replace") or "unknown engine error"
+
+
+# GGUF value types (gguf.h) -> numpy dtypes; 7 = bool, 8 = string, 9 = array
+_GGUF_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+               7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_STRING, _ARRAY = 8, 9
+
+
+def _read_metadata(lib: ctypes.CDLL, g: int) -> dict:
+    """Every GGUF key/value: scalars as Python values, numeric arrays as numpy, string arrays as lists of str."""
+    out: dict = {}
+    for i in range(lib.gguf_get_n_kv(g)):
+        key = lib.gguf_get_key(g, i).decode("utf-8", "replace")
+        t = lib.gguf_get_kv_type(g, i)
+        if t == _STRING:
+            out[key] = lib.gguf_get_val_str(g, i).decode("utf-8", "replace")
+        elif t == _ARRAY:
+            at, n = lib.gguf_get_arr_type(g, i), lib.gguf_get_arr_n(g, i)
+            if at == _STRING:
+                get = lib.gguf_get_arr_str
+                out[key] = [get(g, i, j).decode("utf-8", "replace") for j in range(n)]
+            elif at in _GGUF_NUMPY:
+                dtype = np.dtype(_GGUF_NUMPY[at])
+                data = ctypes.string_at(lib.gguf_get_arr_data(g, i), n * dtype.itemsize) if n else b""
+                out[key] = np.frombuffer(data, dtype=dtype).copy()
+        elif t in _GGUF_NUMPY:
+            dtype = np.dtype(_GGUF_NUMPY[t])
+            value = np.frombuffer(ctypes.string_at(lib.gguf_get_val_data(g, i), dtype.itemsize), dtype=dtype)[0]
+            out[key] = value.item()
+    return out
+
+
+def _default_threads(threads: int | None) -> int:
+    if threads is None:
+        return os.cpu_count() or 1
+    if threads < 1:
+        raise EngineError(f"threads must be at least 1, got {threads}")
+    return int(threads)
+
+
+class Model:
+    """A memory-mapped DiffusionGemma GGUF. Use `Model.load`."""
+
+    def __init__(self, handle: int, path: Path, threads: int):
+        self._handle = handle
+        self.path = path
+        self.threads = threads
+        self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+        self.hparams = HParams._from_c(_engine().dg_model_hparams(handle).contents)
+        self.file_size = _engine().dg_model_file_size(handle)
+        text = (_engine().dg_model_warnings(handle) or b"").decode("utf-8", "replace")
+        self.warnings = [w for w in text.split("\n") if w]
+        for w in self.warnings:
+            log.warning("%s: %s", path.name, w)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, threads: int | None = None) -> Model:
+        path = Path(path)
+        threads = _default_threads(threads)
+        if not path.is_file():
+            raise EngineError(f"model file not found: {path}")
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        handle = _engine().dg_model_load(os.fsencode(path), threads, err, _ERR_LEN)
+        if not handle:
+            raise EngineError(f"cannot load {path.name}: {_error(err)}")
+        return cls(handle, path, threads)
+
+    @functools.cached_property
+    def metadata(self) -> dict:
+        return _read_metadata(_engine(), _engine().dg_model_gguf(self._require()))
+
+    def _require(self) -> int:
+        if not self._handle:
+            raise EngineError("the model is closed")
+        return self._handle
+
+    def close(self) -> None:
+        for ctx in list(self._contexts):  # a context must never outlive the weights it points into
+            ctx.close()
+        if self._handle:
+            _engine().dg_model_free(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _token_array(ids, n_vocab: int, what: str) -> np.ndarray:
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise EngineError(f"{what} must be a 1-D sequence of integer token ids")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and (arr.min() < 0 or arr.max() >= n_vocab):
+        raise EngineError(f"{what} contain a token id outside the vocabulary [0, {n_vocab})")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+class Context:
+    """K/V cache + decoder state for one sequence."""
+
+    def __init__(self, model: Model, n_ctx: int = 4096, threads: int | None = None):
+        self.model = model
+        self._n_vocab = model.hparams.n_vocab
+        threads = _default_threads(threads if threads is not None else model.threads)
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        self._handle = _engine().dg_context_new(model._require(), int(n_ctx), threads, err, _ERR_LEN)
+        if not self._handle:
+            raise EngineError(f"cannot create a context: {_error(err)}")
+        self.n_ctx = int(n_ctx)
+        model._contexts.add(self)
+
+    def _require(self) -> int:
+        if not self._handle:
+            raise EngineError("the context is closed")
+        return self._handle
+
+    @property
+    def n_past(self) -> int:
+        return _engine().dg_context_n_past(self._require())
+
+    def encode(self, ids) -> None:
+        """Causal encoder pass over `ids` at positions n_past..; appends their K/V to the cache."""
+        arr = _token_array(ids, self._n_vocab, "token ids")
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        if _engine().dg_context_encode(self._require(), arr.ctypes.data, arr.size, err, _ERR_LEN) != 0:
+            raise EngineError(_error(err))
+
+    def step(self, canvas_ids, sc_temperature: float | None = None) -> np.ndarray:
+        """One decoder step; float32 [len(canvas_ids), n_vocab] softcapped raw logits (read-only view).
+
+        sc_temperature None: first step of a canvas, no self-conditioning. Otherwise the self-conditioning input is
+        the previous step's raw logits divided by sc_temperature."""
+        arr = _token_array(canvas_ids, self._n_vocab, "canvas ids")
+        use_sc = sc_temperature is not None
+        inv_temp = 0.0
+        if use_sc:
+            t = float(sc_temperature)
+            if not (np.isfinite(t) and t > 0):
+                raise EngineError(f"sc_temperature must be positive and finite, got {sc_temperature}")
+            inv_temp = 1.0 / t
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        ptr = _engine().dg_context_step(self._require(), arr.ctypes.data, arr.size, int(use_sc), inv_temp, err,
+                                        _ERR_LEN)
+        if not ptr:
+            raise EngineError(_error(err))
+        return self._view(ptr, arr.size)
+
+    def _view(self, ptr: int, rows: int) -> np.ndarray:
+        buf = (ctypes.c_float * (rows * self._n_vocab)).from_address(ptr)
+        view = np.frombuffer(buf, dtype=np.float32).reshape(rows, self._n_vocab)
+        view.flags.writeable = False
+        return view
+
+    def set_self_cond_logits(self, raw) -> None:
+        """Replace the stored "previous step's raw logits" ([rows, n_vocab] float32)."""
+        arr = np.asarray(raw)
+        if arr.ndim != 2 or arr.shape[1] != self._n_vocab or not np.issubdtype(arr.dtype, np.floating):
+            raise EngineError(f"self-conditioning logits must be float [rows, {self._n_vocab}], got {arr.dtype} {arr.shape}")
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if not np.isfinite(arr).all():
+            raise EngineError("self-conditioning logits must be finite")
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        if _engine().dg_context_set_self_cond(self._require(), arr.ctypes.data, arr.shape[0], err, _ERR_LEN) != 0:
+            raise EngineError(_error(err))
+
+    def logits_address(self) -> int:
+        """Address of the float32 [rows, n_vocab] logits of the last step (for the C sampler, zero copy)."""
+        ptr = _engine().dg_context_logits(self._require())
+        if not ptr:
+            raise EngineError("no logits yet: run a step first")
+        return ptr
+
+    def logits(self) -> np.ndarray:
+        """Read-only view of the last step's logits."""
+        ptr = self.logits_address()
+        return self._view(ptr, _engine().dg_context_logits_rows(self._handle))
+
+    def reset(self) -> None:
+        """Empty the cache (n_past = 0) and forget the previous logits."""
+        _engine().dg_context_reset(self._require())
+
+    def close(self) -> None:
+        if self._handle:
+            _engine().dg_context_free(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
