@@ -1,0 +1,60 @@
+// DiffusionGemma's entropy-bound sampler (shared/spec/model.md §e, §f) over a float32 [C, V] logits buffer.
+//
+// One dg_sampler serves one generation: it owns the random stream, the step counter of the current canvas and the
+// argmax history used by the adaptive stop. Per step it computes, for every canvas row (in parallel over rows):
+// processed logits z = raw / T, argmax, entropy, one categorical draw; then entropy-bound acceptance, renoise with
+// fresh uniform tokens, and the stop decision.
+#ifndef DG_SAMPLER_H
+#define DG_SAMPLER_H
+
+#include <stdint.h>
+
+#define DG_API __attribute__((visibility("default")))
+
+enum dg_rng_mode {
+    DG_RNG_FAST = 0,   // counter-based, parallel, reproducible per seed whatever the thread count
+    DG_RNG_TORCH = 1,  // MT19937 consumed exactly like transformers' CPU generate()
+};
+
+typedef struct {
+    int32_t max_steps;             // N: step cap per canvas; the temperature schedule counts n = N..1
+    double  t_min;                 // temperature at n = 0 (never reached: the last step uses n = 1)
+    double  t_max;                 // temperature at the first step (n = N)
+    double  entropy_bound;         // B: accept while the sum of lower-ranked entropies is <= B
+    double  confidence_threshold;  // Cf: stop needs mean entropy < Cf
+    int32_t stability_threshold;   // S: stop needs the argmax canvas unchanged for S steps (0: always stable)
+    int32_t greedy;                // draw = argmax instead of a categorical sample (no exponentials consumed)
+} dg_sampler_params;
+
+typedef struct {
+    int32_t step;          // steps executed in this canvas, this one included (1-based)
+    int32_t remaining;     // n used for this step's temperature (N for the first step)
+    float   temperature;   // T of this step: the self-conditioning temperature of the next step
+    float   mean_entropy;  // mean over rows of the entropy (nats) of the processed logits
+    int32_t n_accepted;
+    int32_t stable;
+    int32_t confident;
+    int32_t stop;          // adaptive stop: stable and confident
+    int32_t exhausted;     // this was the canvas's last allowed step
+} dg_step_info;
+
+typedef struct dg_sampler dg_sampler;
+
+// Returns NULL and writes a message into err on invalid arguments or allocation failure.
+DG_API dg_sampler *dg_sampler_create(int32_t canvas_len, int32_t n_vocab, const dg_sampler_params *params,
+                                     int32_t rng_mode, uint64_t seed, int32_t n_threads, char *err, int32_t err_len);
+DG_API void dg_sampler_free(dg_sampler *s);
+
+// Start a canvas: draws its C initial tokens into `canvas`, resets the step counter and the argmax history.
+DG_API int32_t dg_sampler_begin_canvas(dg_sampler *s, int32_t *canvas);
+
+// One denoising step on raw (softcapped) logits: row r starts at raw_logits + r * row_stride.
+// Writes the next canvas, the argmax canvas, per-row entropies and the acceptance mask (any of the last three may
+// be NULL). Returns 0, or -1 when no canvas is active or its steps are used up.
+DG_API int32_t dg_sampler_step(dg_sampler *s, const float *raw_logits, int64_t row_stride, int32_t *canvas,
+                               int32_t *argmax, float *entropy, uint8_t *accepted, dg_step_info *info);
+
+// The linear schedule of spec e.1 line 10, exactly in fp32: T = f32(t_min) + f32(t_max - t_min) * (f32(n) / f32(N)).
+DG_API float dg_sampler_temperature(int32_t remaining, int32_t max_steps, double t_min, double t_max);
+
+#endif
