@@ -1,0 +1,55 @@
+"""`dgemma convert` on the committed tiny checkpoints: layout per spec, exact values, both config forms."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.numpy import load_file
+
+from conftest import FIXTURES
+from spec_layout import check_layout, check_values
+
+FIXTURE_NAMES = ["tiny-a", "tiny-b"]
+OUTTYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"]
+
+
+def n_tokens(folder) -> int:
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    return len({*tok["model"]["vocab"].values(), *(t["id"] for t in tok.get("added_tokens", []))})
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    return {name: load_file(str(FIXTURES / name / "model.safetensors")) for name in FIXTURE_NAMES}
+
+
+@pytest.mark.parametrize("outtype", OUTTYPES)
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_fixture_converts_to_spec_layout(gguf_path, checkpoints, name, outtype):
+    folder = FIXTURES / name
+    config = json.loads((folder / "config.json").read_text())
+    path = gguf_path(name, outtype)
+    check_layout(path, config, n_tokens(folder), outtype)
+    check_values(path, checkpoints[name], config, n_tokens(folder))
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q4_k_m"])
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_config_forms_a_and_b_give_identical_files(tmp_path, gguf_path, name, outtype):
+    """The fixture's other serialized config form must produce the same bytes (same folder name: same general.name)."""
+    folder = FIXTURES / name
+    (other,) = folder.glob("config_form_*.json")
+    variant = tmp_path / name
+    variant.mkdir()
+    for f in folder.iterdir():
+        if f.is_file() and f.name != "config.json":
+            (variant / f.name).symlink_to(f)
+    shutil.copy(other, variant / "config.json")
+    assert json.loads((variant / "config.json").read_text()) != json.loads((folder / "config.json").read_text())
+
+    from dgemma_convert import convert
+
+    out = tmp_path / "variant.gguf"
+    convert(variant, out, outtype, threads=2)
+    assert out.read_bytes() == gguf_path(name, outtype).read_bytes()
