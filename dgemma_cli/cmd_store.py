@@ -1,0 +1,336 @@
+"""`dgemma pull|create|list|ls|show|rm|cp`: thin commands over the store library (spec ollama-compat.md §1.1, §1.4).
+
+For now they work directly on the store under DGEMMA_MODELS; the bodies stay thin so they can be routed through the
+server's REST API later without changing their output.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from dgemma_cli.errors import DgemmaError
+from dgemma_cli.gguf_check import ArraySummary, GGUFInfo, read_gguf_info
+from dgemma_cli.modelfile import Modelfile, format_modelfile
+from dgemma_cli.names import ModelName
+from dgemma_cli.store import LocalModel, Store
+
+# Sampler defaults when a GGUF lacks the optional diffusion.eb_* keys (spec §3.2).
+SAMPLER_FALLBACKS = {"eb_max_steps": 48, "eb_t_max": 0.8, "eb_t_min": 0.4, "eb_entropy_bound": 0.1,
+                     "eb_confidence_threshold": 0.005, "eb_stability_threshold": 1}
+PARAM_FOR_KEY = {"eb_max_steps": "diffusion_steps", "eb_t_max": "diffusion_t_max", "eb_t_min": "diffusion_t_min",
+                 "eb_entropy_bound": "diffusion_entropy_bound", "eb_confidence_threshold": "diffusion_confidence_threshold",
+                 "eb_stability_threshold": "diffusion_stability_threshold"}
+SELECTORS = ("license", "modelfile", "parameters", "system", "template")
+
+
+# ---- formatting helpers (Ollama's wording) -----------------------------------------------------------------------
+
+def human_bytes(n: int) -> str:
+    """Decimal units: `16 GB`, `986 MB`, `4.7 GB`, `1 GB`, `512 B`."""
+    if n < 1000:
+        return f"{n} B"
+    value, unit = float(n), "B"
+    for unit in ("KB", "MB", "GB", "TB", "PB"):
+        value /= 1000
+        if value < 1000:
+            break
+    if value >= 10:
+        return f"{int(value)} {unit}"
+    return f"{int(value)} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+
+
+def human_duration(seconds: float) -> str:
+    """Go's units.HumanDuration, as Ollama's `list` uses it."""
+    s = int(seconds)
+    if s < 1:
+        return "Less than a second"
+    if s == 1:
+        return "1 second"
+    if s < 60:
+        return f"{s} seconds"
+    minutes = int(seconds // 60)
+    if minutes == 1:
+        return "About a minute"
+    if minutes < 60:
+        return f"{minutes} minutes"
+    hours = round(seconds / 3600)
+    if hours == 1:
+        return "About an hour"
+    if hours < 48:
+        return f"{hours} hours"
+    if hours < 24 * 7 * 2:
+        return f"{hours // 24} days"
+    if hours < 24 * 30 * 2:
+        return f"{hours // 24 // 7} weeks"
+    if hours < 24 * 365 * 2:
+        return f"{hours // 24 // 30} months"
+    return f"{int(seconds // 3600) // 24 // 365} years"
+
+
+def human_time_ago(timestamp: float, now: float | None = None) -> str:
+    return human_duration((now if now is not None else time.time()) - timestamp) + " ago"
+
+
+def table(rows: list[list[str]]) -> str:
+    """Left-aligned columns, 4 spaces apart, no borders (list, ps)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("    ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def go_value(value: Any) -> str:
+    """A value in Go's `%#v` style: strings double-quoted, numbers bare."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+def parameters_text(params: dict[str, Any]) -> str:
+    lines = []
+    for key in sorted(params):
+        values = params[key] if isinstance(params[key], list) else [params[key]]
+        lines += [f"{key:<30} {go_value(v)}" for v in values]
+    return "\n".join(lines)
+
+
+# ---- progress ----------------------------------------------------------------------------------------------------
+
+class ProgressRenderer:
+    """Ollama-like progress on stderr: one bar per digest, plain status lines for everything else."""
+
+    def __init__(self) -> None:
+        self.console = Console(stderr=True)
+        self.progress = Progress(
+            TextColumn("{task.description}"), TextColumn("{task.percentage:>3.0f}%"),
+            BarColumn(bar_width=None), DownloadColumn(binary_units=False), TransferSpeedColumn(), TimeRemainingColumn(),
+            console=self.console, transient=False,
+        )
+        self.tasks: dict[str, TaskID] = {}
+        self.last_status: str | None = None
+
+    def __enter__(self) -> "ProgressRenderer":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def update(self, event: dict[str, Any]) -> None:
+        digest, status = event.get("digest"), event.get("status", "")
+        if digest and event.get("total") is not None:
+            completed = event.get("completed", 0)
+            if digest not in self.tasks:
+                if not completed:
+                    return  # Ollama does not draw a layer's first `completed: 0` update
+                self.tasks[digest] = self.progress.add_task(f"{status}:", total=event["total"])
+            self.progress.update(self.tasks[digest], completed=completed)
+        elif status and status != self.last_status:
+            self.last_status = status
+            self.progress.console.print(status, highlight=False, soft_wrap=True)
+
+    def run(self, events: Iterable[dict[str, Any]]) -> None:
+        with self:
+            for event in events:
+                self.update(event)
+
+
+# ---- commands ----------------------------------------------------------------------------------------------------
+
+def _store() -> Store:
+    return Store()
+
+
+def pull(
+    model: str = typer.Argument(..., help="model name, e.g. hf.co/unsloth/diffusiongemma-26B-A4B-it-GGUF:Q4_K_M"),
+    insecure: bool = typer.Option(False, "--insecure", help="allow plain http to a loopback or http:// registry"),
+) -> None:
+    """Pull a model from a registry (Ollama protocol; Hugging Face hf.co names work too)."""
+    from dgemma_cli.registry import pull as pull_model
+
+    ProgressRenderer().run(pull_model(ModelName.parse(model), _store(), insecure=insecure))
+
+
+def create(
+    model: str = typer.Argument(..., help="name of the new model"),
+    file: Optional[Path] = typer.Option(None, "--file", "-f", help="Modelfile (default: ./Modelfile)"),
+    quantize: Optional[str] = typer.Option(None, "--quantize", "-q", help="q4_K_M | q5_K_M | q6_K | q8_0"),
+) -> None:
+    """Create a model from a Modelfile."""
+    from dgemma_cli.create import create_model, load_modelfile_for_create
+
+    try:
+        name = ModelName.parse(model)
+    except DgemmaError:
+        raise DgemmaError(f"invalid model name: {model}") from None
+    modelfile, base_dir = load_modelfile_for_create(file, Path.cwd())
+    for warning in modelfile.warnings:
+        print(warning, file=sys.stderr)
+    ProgressRenderer().run(create_model(name, modelfile, _store(), base_dir, quantize=quantize))
+
+
+def list_models(prefix: Optional[str] = typer.Argument(None, help="only names starting with this (any case)")) -> None:
+    """List models in the store."""
+    rows = [["NAME", "ID", "SIZE", "MODIFIED"]]
+    now = time.time()
+    for entry in _store().list_models():
+        if prefix and not entry.name.lower().startswith(prefix.lower()):
+            continue
+        rows.append([entry.name, entry.digest[:12], human_bytes(entry.size), human_time_ago(entry.modified, now)])
+    print(table(rows))
+
+
+def model_modelfile(model: LocalModel) -> Modelfile:
+    return Modelfile(froms=[str(model.gguf_path) if model.gguf_path else model.name], template=model.template,
+                     system=model.system, licenses=list(model.license), messages=list(model.messages),
+                     parameters=dict(model.parameters))
+
+
+def show_modelfile_text(model: LocalModel) -> str:
+    header = ('# Modelfile generated by "dgemma show"\n# To build a new Modelfile based on this, replace FROM with:\n'
+              f"# FROM {model.name}\n")
+    return format_modelfile(model_modelfile(model), header=header)
+
+
+def _capabilities(info: GGUFInfo, model: LocalModel) -> list[str]:
+    caps = ["completion", "diffusion"]
+    template = info.metadata.get("tokenizer.chat_template")
+    if isinstance(template, str) and ("enable_thinking" in template or "<|think|>" in template):
+        caps.append("thinking")
+    return caps
+
+
+def sampler_defaults(metadata: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """Effective sampler defaults: Modelfile PARAMETER > GGUF diffusion.eb_* > reference fallback."""
+    out = {}
+    for key, fallback in SAMPLER_FALLBACKS.items():
+        value = metadata.get(f"diffusion.{key}", fallback)
+        out[key] = params.get(PARAM_FOR_KEY[key], value)
+    return out
+
+
+def _block(title: str, rows: list[tuple[str, str]]) -> list[str]:
+    if not rows:
+        return []
+    width = max(len(k) for k, _ in rows)
+    return [f"  {title}"] + [f"    {k.ljust(width)}    {v}".rstrip() for k, v in rows] + [""]
+
+
+def _text_rows(text: str | None) -> list[tuple[str, str]]:
+    lines = [line for line in (text or "").splitlines() if line.strip()]
+    if len(lines) > 2:
+        lines = lines[:2] + ["..."]
+    return [(line, "") for line in lines]
+
+
+def _meta_value(value: Any, verbose: bool) -> str:
+    if isinstance(value, ArraySummary) or isinstance(value, list) and len(value) > 5 and not verbose:
+        return "[]" if not verbose else f"[... {value.length} items]"
+    return go_value(value) if not isinstance(value, list) else json.dumps(value, ensure_ascii=False)
+
+
+def show_info_text(model: LocalModel, verbose: bool = False) -> str:
+    info = read_gguf_info(model.gguf_path) if model.gguf_path else GGUFInfo(0, {})
+    md = info.metadata
+    arch = info.architecture or model.config.get("model_family", "")
+    lines = _block("Model", [
+        ("architecture", arch),
+        ("parameters", model.config.get("model_type", "")),
+        ("context length", str(md.get(f"{arch}.context_length", ""))),
+        ("embedding length", str(md.get(f"{arch}.embedding_length", ""))),
+        ("quantization", model.config.get("file_type", info.file_type)),
+    ])
+    lines += _block("Capabilities", [(c, "") for c in _capabilities(info, model)])
+    s = sampler_defaults(md, model.parameters)
+    lines += _block("Diffusion", [
+        ("canvas length", str(md.get("diffusion.canvas_length", ""))),
+        ("max denoising steps", go_value(s["eb_max_steps"])),
+        ("temperature schedule", f"{go_value(s['eb_t_max'])} → {go_value(s['eb_t_min'])}"),
+        ("entropy bound", go_value(s["eb_entropy_bound"])),
+        ("confidence threshold", go_value(s["eb_confidence_threshold"])),
+        ("stability threshold", go_value(s["eb_stability_threshold"])),
+    ])
+    param_rows = []
+    for key in sorted(model.parameters):
+        values = model.parameters[key] if isinstance(model.parameters[key], list) else [model.parameters[key]]
+        param_rows += [(key, go_value(v)) for v in values]
+    lines += _block("Parameters", param_rows)
+    lines += _block("System", _text_rows(model.system))
+    lines += _block("License", _text_rows("\n".join(model.license)))
+    if verbose:
+        meta = {k: v for k, v in md.items() if k not in ("general.name", "tokenizer.chat_template")}
+        lines += _block("Metadata", [(k, _meta_value(v, True)) for k, v in sorted(meta.items())])
+        lines += _block("Tensors", [(t.name, f"{t.type_name}    {list(t.shape)}") for t in info.tensors])
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def show(
+    model: str = typer.Argument(...),
+    license: bool = typer.Option(False, "--license", help="show the license"),
+    modelfile: bool = typer.Option(False, "--modelfile", help="show the Modelfile"),
+    parameters: bool = typer.Option(False, "--parameters", help="show the parameters"),
+    system: bool = typer.Option(False, "--system", help="show the system message"),
+    template: bool = typer.Option(False, "--template", help="show the template"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="also show metadata and tensors"),
+) -> None:
+    """Show information about a model."""
+    chosen = [name for name, flag in zip(SELECTORS, (license, modelfile, parameters, system, template)) if flag]
+    if len(chosen) > 1:
+        raise DgemmaError("only one of '--license', '--modelfile', '--parameters', '--system', or '--template' "
+                          "can be specified")
+    local = _store().resolve(ModelName.parse(model))
+    if not chosen:
+        sys.stdout.write(show_info_text(local, verbose))
+    elif chosen[0] == "license":
+        print("\n".join(local.license))
+    elif chosen[0] == "modelfile":
+        sys.stdout.write(show_modelfile_text(local))
+    elif chosen[0] == "parameters":
+        print(parameters_text(local.parameters))
+    elif chosen[0] == "system":
+        print(local.system or "")
+    else:
+        print(local.template or "")
+
+
+def rm(models: list[str] = typer.Argument(..., help="models to delete")) -> None:
+    """Delete models (and the blobs no other model uses)."""
+    store = _store()
+    for model in models:
+        name = ModelName.parse(model)
+        store.delete(name)
+        print(f"deleted '{model}'")
+
+
+def cp(source: str = typer.Argument(...), destination: str = typer.Argument(...)) -> None:
+    """Copy a model under a new name (blobs are shared)."""
+    store = _store()
+    try:
+        src = ModelName.parse(source)
+    except DgemmaError:
+        raise DgemmaError(f'source "{source}" is invalid') from None
+    try:
+        dst = ModelName.parse(destination)
+    except DgemmaError:
+        raise DgemmaError(f'destination "{destination}" is invalid') from None
+    store.copy(src, dst)
+    print(f"copied '{source}' to '{destination}'")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("pull")(pull)
+    app.command("create")(create)
+    app.command("list")(list_models)
+    app.command("ls", hidden=True)(list_models)
+    app.command("show")(show)
+    app.command("rm")(rm)
+    app.command("cp")(cp)

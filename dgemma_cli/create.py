@@ -1,0 +1,320 @@
+"""`create`: Modelfile -> layers -> manifest (spec ollama-compat.md §4.2, §4.4, §4.6).
+
+FROM may name a local GGUF file, a folder holding one GGUF, a Hugging Face checkpoint folder (converted on the fly
+with dgemma_convert), or an existing model (pulled first if missing). Every GGUF is validated by gguf_check before
+it enters the store. Layers use Ollama's media types; JSON blobs are canonical so identical inputs give identical
+digests.
+"""
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from dgemma_cli.errors import DgemmaError
+from dgemma_cli.gguf_check import GGUFError, GGUFInfo, read_gguf_info
+from dgemma_cli.modelfile import Modelfile, check_parameter_ranges, quote
+from dgemma_cli.names import ModelName
+from dgemma_cli.store import (
+    CONFIG_MEDIA_TYPE,
+    MEDIA_LICENSE,
+    MEDIA_MESSAGES,
+    MEDIA_MODEL,
+    MEDIA_PARAMS,
+    MEDIA_SYSTEM,
+    MEDIA_TEMPLATE,
+    Layer,
+    Store,
+    build_manifest,
+    canonical_json,
+)
+
+FAMILY = "diffusion-gemma"
+QUANTIZE_TYPES = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q5_k_m": "Q5_K_M", "q4_k_m": "Q4_K_M", "q4_0": "Q4_0"}
+FLOAT_FILE_TYPES = {"F32", "F16", "BF16"}
+TEMPLATE_CHECK_TIMEOUT_S = 2.0
+
+
+class CreateError(DgemmaError):
+    http_status = 400
+
+
+def human_number(n: int) -> str:
+    """Parameter count in Ollama's style: `25.8B`, `270M`, `7B`, `136`."""
+    for unit, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
+    return str(n)
+
+
+def template_format(text: str) -> str:
+    return "jinja" if "{%" in text or "messages" in text else "go"
+
+
+_TEMPLATE_CHECK = r"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+def raise_exception(message):
+    raise ValueError(message)
+env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: "2026-01-01")
+messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
+try:
+    out = env.from_string(sys.stdin.read()).render(messages=messages, bos_token="<bos>", eos_token="<eos>",
+                                                   add_generation_prompt=True, tools=None)
+    if len(out) > (4 << 20):
+        raise ValueError("rendered prompt larger than 4 MiB")
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc}"[:300])
+    sys.exit(1)
+"""
+
+
+def check_jinja_template(text: str) -> None:
+    """Test-render a Jinja chat template in the sandbox, in a subprocess with a time and memory limit (§4.6)."""
+    try:
+        proc = subprocess.run([sys.executable, "-I", "-c", _TEMPLATE_CHECK], input=text, capture_output=True,
+                              text=True, timeout=TEMPLATE_CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise CreateError("template error: rendering took longer than 2 s") from None
+    if proc.returncode != 0:
+        detail = proc.stdout.strip() or "the template could not be rendered"
+        raise CreateError(f"template error: {detail}")
+
+
+# ---- FROM resolution -----------------------------------------------------------------------------------------------
+
+def _local_path(value: str, base_dir: Path) -> Path | None:
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = base_dir / path
+    return path if path.exists() else None
+
+
+def _is_hf_checkpoint(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def _gguf_in_folder(folder: Path) -> Path:
+    """The one GGUF file in a folder; entries that resolve outside the folder are refused."""
+    base = folder.resolve()
+    found = []
+    for entry in sorted(folder.iterdir()):
+        if not entry.name.lower().endswith(".gguf"):
+            continue
+        if entry.resolve().parent != base:
+            raise CreateError(f"insecure path: {entry.name}")
+        if entry.is_file():
+            found.append(entry)
+    if not found:
+        raise CreateError("no GGUF file or Hugging Face checkpoint found in the FROM folder")
+    if len(found) > 1:
+        raise CreateError("split GGUF models (more than one .gguf file) are not supported")
+    return found[0]
+
+
+def _check_values(mf: Modelfile) -> None:
+    texts = [mf.template, mf.system, *mf.licenses, *(m["content"] for m in mf.messages)]
+    for text in texts:
+        if text is not None:
+            quote(text)  # raises `value may not contain '"""'`
+
+
+def _validated_gguf(path: Path) -> GGUFInfo:
+    try:
+        info = read_gguf_info(path)
+    except GGUFError as exc:
+        raise CreateError(f"supplied file was not in GGUF format ({exc})") from None
+    if info.architecture != FAMILY:
+        raise CreateError(f'model architecture "{info.architecture or "unknown"}" is not supported by dgemma')
+    if "diffusion.canvas_length" not in info.metadata:
+        raise CreateError("supplied file was not in GGUF format (diffusion.canvas_length is missing)")
+    return info
+
+
+def _requantize(src: Path, dst: Path, quantize: str) -> None:
+    """GGUF -> GGUF with the converter's quantizer, when it provides one."""
+    try:
+        from dgemma_convert import converter
+    except ImportError:
+        converter = None
+    fn = getattr(converter, "requantize", None)
+    if fn is None:
+        raise CreateError("quantizing an existing GGUF is not supported by this converter yet; "
+                          "create from the Hugging Face checkpoint folder with --quantize instead")
+    fn(src, dst, quantize)
+
+
+# ---- create --------------------------------------------------------------------------------------------------------
+
+def _import_layer(store: Store, path: Path, media_type: str, from_: str | None) -> tuple[Layer, dict[str, Any]]:
+    digest, size, created = store.import_file(path)
+    verb = "creating new layer" if created else "using existing layer"
+    return Layer(media_type, digest, size, from_), {"status": f"{verb} {digest}"}
+
+
+def _text_layer(store: Store, media_type: str, data: bytes) -> tuple[Layer, dict[str, Any]]:
+    existed = store.has_blob(_digest_bytes(data))
+    digest, size = store.write_blob(data)
+    verb = "using existing layer" if existed else "creating new layer"
+    return Layer(media_type, digest, size), {"status": f"{verb} {digest}"}
+
+
+def _digest_bytes(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def create_model(name: ModelName | str, modelfile: Modelfile, store: Store, base_dir: Path | str,
+                 quantize: str | None = None) -> Iterator[dict[str, Any]]:
+    """Create `name` from a parsed Modelfile, yielding Ollama's status objects; raises DgemmaError subclasses."""
+    model_name = name if isinstance(name, ModelName) else ModelName.parse(name)
+    base_dir = Path(base_dir)
+    if modelfile.adapter is not None:
+        raise CreateError("adapters are not supported")
+    if not modelfile.froms:
+        raise CreateError("neither 'from' or 'files' was specified")
+    check_parameter_ranges(modelfile.parameters)
+    _check_values(modelfile)
+    quant = None
+    if quantize:
+        quant = QUANTIZE_TYPES.get(quantize.lower())
+        if quant is None:
+            raise CreateError(f"unsupported quantization type {quantize} (use one of q4_K_M, q5_K_M, q6_K, q8_0, q4_0)")
+    if modelfile.template is not None and template_format(modelfile.template) == "jinja":
+        check_jinja_template(modelfile.template)
+
+    store.ensure_dirs()
+    source = modelfile.from_ or ""
+    local = _local_path(source, base_dir)
+    layers: list[Layer] = []
+    params: dict[str, Any] = {}
+    messages: list[dict[str, str]] = []
+    licenses: list[str] = []
+    template = system = None
+    config: dict[str, Any] = {}
+    work = Path(tempfile.mkdtemp(prefix=".create-", dir=store.root))
+    try:
+        if local is not None:
+            gguf = local
+            if local.is_dir():
+                if _is_hf_checkpoint(local):
+                    yield {"status": "converting model"}
+                    from dgemma_convert import convert
+
+                    gguf = work / "converted.gguf"
+                    convert(local, gguf, (quantize or "bf16").lower(), threads=2)
+                    quant = None  # already written in the requested type
+                else:
+                    gguf = _gguf_in_folder(local)
+            yield {"status": "parsing GGUF"}
+            info = _validated_gguf(gguf)
+            if quant is not None:
+                if info.file_type not in FLOAT_FILE_TYPES:
+                    raise CreateError("quantization is only supported from F32, F16 or BF16 models")
+                yield {"status": f"quantizing {info.file_type} model to {quant}"}
+                out = work / "quantized.gguf"
+                _requantize(gguf, out, quant)
+                gguf, info = out, _validated_gguf(out)
+            layer, status = _import_layer(store, gguf, MEDIA_MODEL, local.name)
+            layers.append(layer)
+            yield status
+            config = {
+                "model_format": "gguf", "model_family": FAMILY, "model_families": [FAMILY],
+                "model_type": human_number(info.parameter_count), "file_type": info.file_type,
+                "architecture": "amd64", "os": "linux",
+            }
+        else:
+            base = ModelName.parse(source)  # a non-existent path is treated as a model name
+            if not store.exists(base):
+                from dgemma_cli.registry import pull
+
+                yield from pull(base, store)
+            parent = store.resolve(base)
+            if quant is not None:
+                raise CreateError("quantization is only supported from F32, F16 or BF16 models"
+                                  if parent.config.get("file_type") not in FLOAT_FILE_TYPES else
+                                  "quantizing an existing model is not supported yet; create from its GGUF or checkpoint")
+            assert parent.manifest is not None
+            for layer in parent.manifest.layers:
+                if layer.media_type == MEDIA_MODEL:
+                    layers.append(Layer(layer.media_type, layer.digest, layer.size, parent.name))
+                elif layer.media_type not in (MEDIA_TEMPLATE, MEDIA_SYSTEM, MEDIA_PARAMS, MEDIA_MESSAGES, MEDIA_LICENSE):
+                    layers.append(layer)  # other media types (adapter, projector, ...) are preserved as is
+                else:
+                    continue
+                yield {"status": f"using existing layer {layer.digest}"}
+            params, messages, licenses = dict(parent.parameters), list(parent.messages), list(parent.license)
+            template, system = parent.template, parent.system
+            config = {k: v for k, v in parent.config.items() if k != "template_format"}
+            if not config.get("model_family"):
+                config.update(model_format="gguf", model_family=FAMILY, model_families=[FAMILY])
+
+        params.update(modelfile.parameters)
+        if modelfile.messages:
+            messages = list(modelfile.messages)
+        template = modelfile.template if modelfile.template is not None else template
+        system = modelfile.system if modelfile.system is not None else system
+        licenses += [text for text in modelfile.licenses if text not in licenses]
+
+        for media_type, data in (
+            (MEDIA_TEMPLATE, template.encode() if template is not None else None),
+            (MEDIA_SYSTEM, system.encode() if system is not None else None),
+            (MEDIA_PARAMS, canonical_json(params) if params else None),
+            (MEDIA_MESSAGES, canonical_json(messages) if messages else None),
+            *((MEDIA_LICENSE, text.encode()) for text in licenses),
+        ):
+            if data is not None:
+                layer, status = _text_layer(store, media_type, data)
+                layers.append(layer)
+                yield status
+        if template is not None:
+            config["template_format"] = template_format(template)
+        if modelfile.requires:
+            config["requires"] = modelfile.requires
+        config_bytes = canonical_json(config)
+        config_digest, config_size = store.write_blob(config_bytes)
+
+        yield {"status": "writing manifest"}
+        previous = None
+        if store.exists(model_name):
+            try:
+                previous = store.read_manifest(model_name)
+            except DgemmaError:
+                previous = None
+        raw = build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers)
+        store.write_manifest(model_name, raw)
+        if previous is not None:
+            store.remove_unreferenced(set(previous.all_digests()) - {config_digest, *(l.digest for l in layers)})
+        yield {"status": "success"}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def load_modelfile_for_create(path: Path | None, cwd: Path) -> tuple[Modelfile, Path]:
+    """CLI helper: read `-f FILE` (default `Modelfile`; missing default means `FROM .`) and its base folder."""
+    from dgemma_cli.modelfile import parse_modelfile
+
+    if path is None:
+        default = cwd / "Modelfile"
+        if not default.exists():
+            return parse_modelfile("FROM ."), cwd
+        path = default
+    try:
+        if not path.is_file():
+            raise CreateError(f"Modelfile not found: {path.name}")
+        with open(path, "rb") as f:
+            data = f.read(16 << 20)
+    except OSError as exc:
+        raise CreateError(f"cannot read Modelfile: {exc.strerror}") from None
+    return parse_modelfile(data), path.resolve().parent
+
+
+__all__ = ["create_model", "human_number", "check_jinja_template", "load_modelfile_for_create", "CreateError",
+           "QUANTIZE_TYPES"]
