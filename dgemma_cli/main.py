@@ -3,7 +3,7 @@ import sys
 
 import typer
 
-from dgemma_cli import cmd_convert, cmd_debug, cmd_serve
+from dgemma_cli import cmd_convert, cmd_debug, cmd_serve, cmd_store
 
 app = typer.Typer(
     name="dgemma",
@@ -15,6 +15,7 @@ app = typer.Typer(
 app.command("convert")(cmd_convert.convert)
 app.add_typer(cmd_debug.app, name="debug")
 cmd_serve.register(app)
+cmd_store.register(app)
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
