@@ -4,7 +4,8 @@
 
 Needs torch==2.13.0 and transformers==5.23.0 (CPU); the tests only read the files this script writes (numpy + json).
 The recipe follows /work/shared/spec/model.md §(i); the file formats are documented in tests/fixtures/README.md.
-Running the script twice produces byte-identical files (check with `sha256sum -c tests/fixtures/SHA256SUMS`).
+Running the script twice produces byte-identical files on the same machine: it rewrites tests/fixtures/SHA256SUMS,
+so after a regeneration `git diff --stat tests/fixtures` (or `sha256sum -c SHA256SUMS` in that folder) shows any change.
 """
 
 from __future__ import annotations
@@ -508,6 +509,15 @@ def make_fixture(spec: FixtureSpec, root: Path, goldens: bool) -> None:
         write_goldens(spec, out)
 
 
+def write_checksums(root: Path) -> None:
+    """SHA256SUMS in `sha256sum` format, so `cd tests/fixtures && sha256sum -c SHA256SUMS` checks a regeneration."""
+    import hashlib
+
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != "SHA256SUMS" and p.name != "README.md")
+    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(root).as_posix()}" for p in files]
+    (root / "SHA256SUMS").write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=FIXTURES, help="fixtures root (default: tests/fixtures)")
@@ -519,6 +529,7 @@ def main() -> None:
         if args.only in (None, spec.name):
             make_fixture(spec, args.out, goldens=not args.no_goldens)
             print(f"wrote {args.out / spec.name}")
+    write_checksums(args.out)
 
 
 if __name__ == "__main__":

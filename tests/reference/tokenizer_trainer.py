@@ -6,9 +6,10 @@ Needs `tokenizers` and `transformers` (reference-only dependencies; the tests ne
 Layout of the vocabulary (ids), mirroring Gemma 4 where the ids fit:
   * the Gemma-4 special tokens at their real ids (0..107, see SPECIAL_IDS; id 107 is the normal token "\\n"),
   * the image tokens at the top of the vocabulary (`<|image|>`, `<|image>`, `<image|>` at the ids the config uses),
-  * the 256 byte-fallback tokens `<0x00>`..`<0xFF>` at the first free ids after 107,
-  * BPE tokens trained on a generated corpus fill every remaining id in ascending order (including the gaps between
-    the special ids, so a consumer cannot assume special tokens form a contiguous block).
+  * the 256 byte-fallback tokens `<0x00>`..`<0xFF>`, in byte order, at the lowest ids not taken by the above
+    (5..45, 53..97, 99, 102..104, then 108 onwards),
+  * BPE tokens trained on a generated corpus take the remaining ids in trainer order (274 .. vocab_size-4 for the
+    fixtures). Byte tokens sit between the special ids, so a consumer cannot assume any block is contiguous.
 Text handling is SentencePiece-style (transformers' `GemmaTokenizer`): spaces become "▁" (U+2581), no prefix space,
 byte fallback for characters outside the vocabulary, no GPT-2 byte remapping.
 """
