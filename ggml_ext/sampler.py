@@ -59,7 +59,7 @@ def _native() -> ctypes.CDLL:
         lib.dg_sampler_step.restype = ctypes.c_int32
         lib.dg_sampler_step.argtypes = [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_void_p, ctypes.POINTER(_StepInfo),
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_StepInfo),
         ]
         lib.dg_sampler_temperature.restype = ctypes.c_float
         lib.dg_sampler_temperature.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_double, ctypes.c_double]
@@ -78,6 +78,7 @@ class StepResult:
 
     canvas: np.ndarray        # int32: the next decoder input (accepted positions sampled, the rest fresh noise)
     argmax: np.ndarray        # int32: argmax of the processed logits (the canvas committed if this is the last step)
+    sampled: np.ndarray       # int32: the categorical draw of every position (kept where accepted)
     entropy: np.ndarray       # float32: per-position entropy (nats) of the processed logits
     accepted: np.ndarray      # bool: positions that kept their sampled token
     step: int                 # steps executed in this canvas, this one included
@@ -124,6 +125,7 @@ class Sampler:
         C = self.canvas_length
         self._canvas = np.zeros(C, np.int32)
         self._argmax = np.zeros(C, np.int32)
+        self._sampled = np.zeros(C, np.int32)
         self._entropy = np.zeros(C, np.float32)
         self._accepted = np.zeros(C, np.uint8)
 
@@ -149,12 +151,12 @@ class Sampler:
                 raise EngineError("logits buffer address is null")
         info = _StepInfo()
         rc = self._lib.dg_sampler_step(self._handle, address, self.n_vocab, self._canvas.ctypes.data,
-                                       self._argmax.ctypes.data, self._entropy.ctypes.data,
+                                       self._argmax.ctypes.data, self._sampled.ctypes.data, self._entropy.ctypes.data,
                                        self._accepted.ctypes.data, ctypes.byref(info))
         if rc != 0:
             raise EngineError("sampler step without an active canvas (call begin_canvas first)")
         return StepResult(
-            canvas=self._canvas.copy(), argmax=self._argmax.copy(), entropy=self._entropy.copy(),
+            canvas=self._canvas.copy(), argmax=self._argmax.copy(), sampled=self._sampled.copy(), entropy=self._entropy.copy(),
             accepted=self._accepted.astype(bool), step=info.step, temperature=float(info.temperature),
             mean_entropy=float(info.mean_entropy), n_accepted=info.n_accepted, stable=bool(info.stable),
             confident=bool(info.confident), stop=bool(info.stop), exhausted=bool(info.exhausted))

@@ -388,7 +388,7 @@ static int update_stability(dg_sampler *s) {
 }
 
 int32_t dg_sampler_step(dg_sampler *s, const float *raw_logits, int64_t row_stride, int32_t *canvas,
-                        int32_t *argmax, float *entropy, uint8_t *accepted, dg_step_info *info) {
+                        int32_t *argmax, int32_t *sampled, float *entropy, uint8_t *accepted, dg_step_info *info) {
     if (s == NULL || raw_logits == NULL || canvas == NULL || !s->active || s->steps_done >= s->p.max_steps ||
         row_stride < s->V) {
         return -1;
@@ -425,6 +425,7 @@ int32_t dg_sampler_step(dg_sampler *s, const float *raw_logits, int64_t row_stri
     }
 
     if (argmax != NULL) memcpy(argmax, s->argmax, sizeof(int32_t) * (size_t)C);
+    if (sampled != NULL) memcpy(sampled, s->draw, sizeof(int32_t) * (size_t)C);
     if (entropy != NULL) memcpy(entropy, s->entropy, sizeof(float) * (size_t)C);
     if (accepted != NULL) memcpy(accepted, s->accepted, (size_t)C);
     if (info != NULL) {

@@ -49,10 +49,11 @@ DG_API void dg_sampler_free(dg_sampler *s);
 DG_API int32_t dg_sampler_begin_canvas(dg_sampler *s, int32_t *canvas);
 
 // One denoising step on raw (softcapped) logits: row r starts at raw_logits + r * row_stride.
-// Writes the next canvas, the argmax canvas, per-row entropies and the acceptance mask (any of the last three may
-// be NULL). Returns 0, or -1 when no canvas is active or its steps are used up.
+// Writes the next canvas, and optionally (NULL to skip) the argmax canvas, the sampled tokens, per-row entropies
+// and the acceptance mask. Returns 0, or -1 when no canvas is active or its steps are used up.
 DG_API int32_t dg_sampler_step(dg_sampler *s, const float *raw_logits, int64_t row_stride, int32_t *canvas,
-                               int32_t *argmax, float *entropy, uint8_t *accepted, dg_step_info *info);
+                               int32_t *argmax, int32_t *sampled, float *entropy, uint8_t *accepted,
+                               dg_step_info *info);
 
 // The linear schedule of spec e.1 line 10, exactly in fp32: T = f32(t_min) + f32(t_max - t_min) * (f32(n) / f32(N)).
 DG_API float dg_sampler_temperature(int32_t remaining, int32_t max_steps, double t_min, double t_max);
