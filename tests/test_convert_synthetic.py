@@ -11,7 +11,7 @@ from dgemma_convert import convert
 from spec_layout import check_layout, check_values, read_gguf
 from synthetic_checkpoint import hf_tensors, text_config, write_synthetic_checkpoint
 
-N_TOKENS = 300  # fewer tokenizer entries than vocab_size (512): token_embd is truncated to 300 rows
+N_TOKENS = 400  # fewer tokenizer entries than vocab_size (512): token_embd is truncated to 400 rows
 
 
 def load_weights(folder) -> dict[str, np.ndarray]:
