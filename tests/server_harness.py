@@ -70,7 +70,8 @@ class FakeBehaviour:
     loads: int = 0
     closes: int = 0
     generations: int = 0
-    cancelled_at: list[float] = field(default_factory=list)
+    cancelled_at: list[float] = field(default_factory=list)  # saw the cancel flag between steps
+    finished_at: list[float] = field(default_factory=list)  # the generation loop ended (any way)
     last_prompt: list[str] = field(default_factory=list)
     last_sampler: list[Any] = field(default_factory=list)
 
@@ -101,6 +102,12 @@ class FakeRunner:
         return "".join(chr(i - TOKEN_OFFSET) for i in ids if i >= TOKEN_OFFSET)
 
     def generate(self, prompt_ids, sampler, max_new_tokens, cancel):
+        try:
+            yield from self._generate(prompt_ids, sampler, max_new_tokens, cancel)
+        finally:
+            self.b.finished_at.append(time.perf_counter())
+
+    def _generate(self, prompt_ids, sampler, max_new_tokens, cancel):
         b = self.b
         b.generations += 1
         b.last_prompt.append(self.detokenize(prompt_ids))

@@ -46,6 +46,38 @@ class JsonBodyMiddleware:
         await self.app(scope, receive, send)
 
 
+class InternalErrorMiddleware:
+    """Unexpected exceptions become a path-free `500 {"error": ...}` and the connection stays usable (Starlette's own
+    last-resort handler re-raises into the server, which drops the keep-alive connection)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # noqa: BLE001  (last resort; routes raise DgemmaError for known failures)
+            log.error("internal error on %s", scope.get("path"), exc_info=exc)
+            if started:
+                return
+            status = error_status(exc) if type(exc).__name__ in ("EngineError", "ConvertError") else 500
+            body = error_body(scope.get("path", ""), status, error_message(exc))
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+
 def _error_response(request: Request, status: int, message: str) -> Response:
     return Response(error_body(request.url.path, status, message), status_code=status, media_type="application/json")
 
@@ -141,13 +173,7 @@ def create_app(
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
         return _error_response(request, exc.status_code, str(exc.detail))
 
-    @app.exception_handler(Exception)
-    async def on_crash(request: Request, exc: Exception) -> Response:
-        if type(exc).__name__ in ("EngineError", "ConvertError"):
-            return _error_response(request, error_status(exc), error_message(exc))
-        log.exception("internal error on %s", request.url.path)
-        return _error_response(request, 500, "internal server error")
-
+    app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(JsonBodyMiddleware)
     app.add_middleware(SecurityMiddleware, config=config)  # outermost: refuses before anything else runs
     return app

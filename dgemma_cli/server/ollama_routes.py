@@ -70,9 +70,9 @@ async def root() -> PlainTextResponse:
 
 @router.get("/api/version", response_model=schemas.VersionResponse)
 @router.head("/api/version", include_in_schema=False)
-async def version(request: Request) -> dict[str, str]:
+async def version(request: Request) -> JSONResponse:
     svc = services(request)
-    return {"version": svc.config.compat_version, "dgemma_version": svc.dgemma_version}
+    return JSONResponse({"version": svc.config.compat_version, "dgemma_version": svc.dgemma_version})
 
 
 # ---- inference ----------------------------------------------------------------------------------------------------
@@ -197,7 +197,7 @@ async def generate(req: schemas.GenerateRequest, request: Request):
     keep_alive = _keep_alive(req.keep_alive)
     if not req.prompt:
         job = _Job(svc, model, options, keep_alive)
-        return await _load_or_unload(svc, model, keep_alive, job.num_ctx, chat=False, request=request)
+        return JSONResponse(await _load_or_unload(svc, model, keep_alive, job.num_ctx, chat=False, request=request))
 
     system = req.system if req.system is not None else model.local.system
     context = list(req.context or [])
@@ -246,7 +246,7 @@ async def chat(req: schemas.ChatRequest, request: Request):
     keep_alive = _keep_alive(req.keep_alive)
     if not messages:
         job = _Job(svc, model, options, keep_alive)
-        return await _load_or_unload(svc, model, keep_alive, job.num_ctx, chat=True, request=request)
+        return JSONResponse(await _load_or_unload(svc, model, keep_alive, job.num_ctx, chat=True, request=request))
 
     conversation = with_model_messages(model, messages)
     truncate = True if req.truncate is None else req.truncate
@@ -326,10 +326,10 @@ async def _answer(request: Request, stream: WorkerStream, model: ResolvedModel, 
 
 @router.get("/api/tags", response_model=schemas.TagsResponse)
 @router.head("/api/tags", include_in_schema=False)
-async def tags(request: Request) -> dict:
+async def tags(request: Request) -> JSONResponse:
     svc = services(request)
     entries = await asyncio.to_thread(svc.store.list_models)
-    return {
+    return JSONResponse({
         "models": [
             {
                 "name": e.name,
@@ -342,11 +342,11 @@ async def tags(request: Request) -> dict:
             }
             for e in entries
         ]
-    }
+    })
 
 
 @router.get("/api/ps", response_model=schemas.PsResponse)
-async def ps(request: Request) -> dict:
+async def ps(request: Request) -> JSONResponse:
     svc = services(request)
     now = time.time()
     models = []
@@ -365,14 +365,14 @@ async def ps(request: Request) -> dict:
                 "context_length": int(getattr(runner, "context_length", resident.num_ctx)),
             }
         )
-    return {"models": models}
+    return JSONResponse({"models": models})
 
 
 @router.post("/api/show", response_model=schemas.ShowResponse, responses=ERRORS)
-async def show(req: schemas.ShowRequest, request: Request) -> dict:
+async def show(req: schemas.ShowRequest, request: Request) -> JSONResponse:
     svc = services(request)
     model = await svc.resolve(_model_text(req.model, req.name))
-    return await asyncio.to_thread(svc.show, model, bool(req.verbose))
+    return JSONResponse(await asyncio.to_thread(svc.show, model, bool(req.verbose)))
 
 
 # ---- store --------------------------------------------------------------------------------------------------------

@@ -255,18 +255,18 @@ def _model_card(entry) -> dict[str, Any]:
 
 
 @router.get("/models", response_model=schemas.OpenAIModelList, responses=ERRORS)
-async def list_models(request: Request) -> dict:
+async def list_models(request: Request) -> JSONResponse:
     entries = await asyncio.to_thread(services(request).store.list_models)
-    return {"object": "list", "data": [_model_card(e) for e in entries]}
+    return JSONResponse({"object": "list", "data": [_model_card(e) for e in entries]})
 
 
 @router.get("/models/{model:path}", response_model=schemas.OpenAIModel, responses=ERRORS)
-async def retrieve_model(model: str, request: Request) -> dict:
+async def retrieve_model(model: str, request: Request) -> JSONResponse:
     svc = services(request)
     name = svc.parse_name(model)
     for entry in await asyncio.to_thread(svc.store.list_models):
         if entry.model_name.key() == name.key():
-            return _model_card(entry)
+            return JSONResponse(_model_card(entry))
     raise NotFound(f"model '{model}' not found")
 
 
