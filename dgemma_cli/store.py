@@ -341,8 +341,8 @@ class Store:
 
     def write_manifest(self, name: ModelName | str, raw: bytes) -> Path:
         """Atomically write manifest bytes (validated first) for `name`."""
+        path = self.manifest_path(name)  # the name is validated before the content
         parse_manifest(raw)
-        path = self.manifest_path(name)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._inside_manifests(path)
         tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")

@@ -1,0 +1,401 @@
+"""Security checklist of spec ollama-compat.md §8, sections A–E, as far as the store, pull, create and the GGUF gate
+are concerned (the REST endpoints' own checks live with the server tests)."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import struct
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from dgemma_cli.create import create_model
+from dgemma_cli.errors import DgemmaError
+from dgemma_cli.gguf_check import GGUFError, check_diffusion_gguf, parse_gguf, read_gguf_info
+from dgemma_cli.modelfile import parse_modelfile
+from dgemma_cli.names import ModelName
+from dgemma_cli.registry import PullOptions, pull, registry_endpoint
+from dgemma_cli.store import MEDIA_MODEL, Store
+from registry_server import FakeRegistry, digest_of
+from store_helpers import gstr, kv_str, kv_u32, raw_gguf, tensor_info, tiny_gguf_bytes, valid_raw_gguf
+
+HEX = "ab" * 32
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def opts(**kw) -> PullOptions:
+    base = dict(part_size=256, streams=2, stall_timeout=2.0, retries=1, backoff=0.01, free_disk_margin=0,
+                progress_interval=0.005)
+    base.update(kw)
+    return PullOptions(**base)
+
+
+# ---- A. one digest -> path function --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("digest", [
+    "", "../x", "sha256:../../outside", "sha256:" + "a" * 63, "sha256:" + "a" * 65, f"sha256-{HEX}/../x",
+    f"sha256:{HEX}\x00", "/etc/passwd", f"sha256:{HEX[:-1]}\\", "sha256:" + "\u0661" * 64, "sha512:" + HEX,
+    HEX, f"sha256:{HEX} ", f" sha256:{HEX}", "sha256:" + "g" * 64, None, 123,
+])
+def test_blob_path_rejects(tmp_path, digest):
+    with pytest.raises(DgemmaError, match="^invalid digest format$"):
+        Store(tmp_path).blob_path(digest)
+
+
+def test_blob_path_accepts_both_separators_and_lowercases(tmp_path):
+    store = Store(tmp_path)
+    upper = "sha256:" + HEX.upper()
+    assert store.blob_path(upper) == tmp_path / "blobs" / f"sha256-{HEX}"
+    assert store.blob_path(f"sha256-{HEX}") == tmp_path / "blobs" / f"sha256-{HEX}"
+    assert store.partial_path(upper).name == f"sha256-{HEX}-partial"
+    assert store.sidecar_path(upper, 3).name == f"sha256-{HEX}-partial-3"
+
+
+def test_blob_path_refuses_a_symlink_out_of_blobs(tmp_path):
+    store = Store(tmp_path / "store")
+    store.ensure_dirs()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (store.blobs_dir / f"sha256-{HEX}").symlink_to(outside / "secret")
+    with pytest.raises(DgemmaError, match="invalid digest format"):
+        store.blob_path("sha256:" + HEX)
+
+
+@pytest.mark.parametrize("bad_digest", ["sha256:../../../outside", "sha256-" + "a" * 63, f"sha256:{HEX}/../../x"])
+@pytest.mark.parametrize("where", ["layer", "config"])
+def test_traversal_digest_in_a_pulled_manifest_is_refused_before_any_write(tmp_path, monkeypatch, bad_digest, where):
+    store = Store(tmp_path / "store")
+    with FakeRegistry() as reg:
+        monkeypatch.setenv("DGEMMA_REGISTRY_ALLOW", reg.host)
+        good = {"mediaType": MEDIA_MODEL, "digest": "sha256:" + HEX, "size": 10}
+        bad = {"mediaType": MEDIA_MODEL, "digest": bad_digest, "size": 10}
+        manifest = {"schemaVersion": 2, "config": bad if where == "config" else good, "layers": [bad if where == "layer" else good]}
+        reg.set_manifest("library", "m", "latest", json.dumps(manifest).encode())
+        before = snapshot(tmp_path)
+        with pytest.raises(DgemmaError, match="invalid digest"):
+            list(pull(f"{reg.host}/library/m", store, insecure=True, options=opts()))
+        assert snapshot(tmp_path) == before
+        assert [r.path for r in reg.log] == ["/v2/library/m/manifests/latest"]
+
+
+def test_digest_mismatch_cleanup_touches_only_validator_paths(tmp_path, monkeypatch):
+    blob = tiny_gguf_bytes(tmp_path)
+    digest = digest_of(blob)
+    store = Store(tmp_path / "store")
+    store.ensure_dirs()
+    bystanders = [store.blobs_dir / "unrelated-file", tmp_path / f"sha256-{digest[7:]}-partial"]
+    for p in bystanders:
+        p.write_bytes(b"keep me")
+    with FakeRegistry() as reg:
+        monkeypatch.setenv("DGEMMA_REGISTRY_ALLOW", reg.host)
+        reg.add_model("library/m:latest", [(MEDIA_MODEL, blob)])
+        reg.faults.corrupt = {digest}
+        with pytest.raises(DgemmaError, match="digest mismatch"):
+            list(pull(f"{reg.host}/library/m", store, insecure=True, options=opts()))
+    assert all(p.read_bytes() == b"keep me" for p in bystanders)
+    assert sorted(p.name for p in store.blobs_dir.iterdir()) == sorted(["unrelated-file", f"sha256-{digest_of(reg.blobs[next(iter(reg.blobs))])[7:]}"])
+
+
+# ---- B. names ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "ns/../m", "m:a/b", "a\\b", ".m", "-m", "x" * 81, "a/b/c/d"])
+def test_invalid_names_on_every_store_operation(tmp_path, name):
+    store = Store(tmp_path / "store")
+    store.ensure_dirs()
+    before = snapshot(tmp_path)
+    operations = [
+        lambda: store.manifest_path(name), lambda: store.read_manifest(name), lambda: store.resolve(name),
+        lambda: store.write_manifest(name, b"{}"), lambda: store.delete(name), lambda: store.copy(name, "ok"),
+        lambda: store.copy("ok", name), lambda: list(create_model(name, parse_modelfile("FROM x"), store, tmp_path)),
+        lambda: list(pull(name, store)),
+    ]
+    for op in operations:
+        with pytest.raises(DgemmaError) as exc:
+            op()
+        assert str(exc.value) in ("invalid model name", "model 'ok:latest' not found")
+    assert snapshot(tmp_path) == before
+
+
+def test_same_error_whether_or_not_a_similar_file_exists(tmp_path):
+    store = Store(tmp_path / "store")
+    (store.manifests_dir / "registry.ollama.ai" / "library" / "..m").mkdir(parents=True)
+    (store.manifests_dir / "registry.ollama.ai" / "library" / "..m" / "latest").write_text("{}")
+    messages = set()
+    for name in ("..m", "..n"):
+        with pytest.raises(DgemmaError) as exc:
+            store.resolve(name)
+        messages.add(str(exc.value))
+    assert messages == {"invalid model name"}
+
+
+def test_manifest_path_symlinked_outside_is_refused(tmp_path):
+    store = Store(tmp_path / "store")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (store.manifests_dir / "registry.ollama.ai").mkdir(parents=True)
+    (store.manifests_dir / "registry.ollama.ai" / "library").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(DgemmaError, match="invalid model name"):
+        store.write_manifest("m", b'{"schemaVersion":2,"config":{"mediaType":"x","digest":"sha256:' + HEX.encode() + b'","size":1},"layers":[]}')
+    assert not list(outside.iterdir())
+
+
+# ---- C. no path leaks ----------------------------------------------------------------------------------------------
+
+def test_error_messages_never_contain_the_store_root(tmp_path, monkeypatch):
+    store = Store(tmp_path / "store")
+    store.ensure_dirs()
+    bad_gguf = tmp_path / "bad.gguf"
+    bad_gguf.write_bytes(b"GGUF" + b"\xff" * 40)
+    messages = []
+    for op in (
+        lambda: store.resolve("missing"),
+        lambda: store.delete("missing"),
+        lambda: list(create_model("m", parse_modelfile(f"FROM {bad_gguf}"), store, tmp_path)),
+        lambda: check_diffusion_gguf(bad_gguf),
+        lambda: read_gguf_info(tmp_path / "nope.gguf"),
+    ):
+        with pytest.raises(DgemmaError) as exc:
+            op()
+        messages.append(str(exc.value))
+    assert all(str(tmp_path) not in m and os.path.expanduser("~") not in m for m in messages), messages
+
+
+# ---- D. GGUF hardening ---------------------------------------------------------------------------------------------
+
+def _corpus() -> dict[str, bytes]:
+    arch = kv_str("general.architecture", "diffusion-gemma")
+    canvas = kv_u32("diffusion.canvas_length", 16)
+    good = valid_raw_gguf()
+    head = b"GGUF" + struct.pack("<I", 3)
+    return {
+        "empty": b"", "one byte": b"G", "four bytes": b"GGUF", "magic only": b"GGUF", "bad magic": b"GGML" + good[4:],
+        "bad version": b"GGUF" + struct.pack("<I", 99) + good[8:],
+        "version 1": b"GGUF" + struct.pack("<I", 1) + good[8:],
+        "truncated kv section": good[:40],
+        "n_tensors 2^63": head + struct.pack("<QQ", 1 << 63, 0),
+        "n_kv 2^63": head + struct.pack("<QQ", 0, 1 << 63),
+        "n_kv 2^64-1": head + struct.pack("<QQ", 0, (1 << 64) - 1),
+        "string length beyond EOF": raw_gguf([gstr("general.architecture") + struct.pack("<I", 8) + struct.pack("<Q", 1 << 40)], []),
+        "key length beyond EOF": raw_gguf([struct.pack("<Q", 1 << 62)], []),
+        "array length beyond EOF": raw_gguf([gstr("a") + struct.pack("<IIQ", 9, 4, 1 << 60)], []),
+        "string array beyond EOF": raw_gguf([gstr("a") + struct.pack("<IIQ", 9, 8, 1 << 40)], []),
+        "nested arrays": raw_gguf([gstr("a") + struct.pack("<IIQ", 9, 9, 1) + struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 4, 1) + b"\0" * 4], []),
+        "unknown value type": raw_gguf([gstr("a") + struct.pack("<I", 77) + b"\0" * 8], []),
+        "alignment 0": raw_gguf([arch, canvas, gstr("general.alignment") + struct.pack("<II", 4, 0)], [tensor_info("t", (8,))], b"\0" * 64),
+        "alignment 48": raw_gguf([arch, canvas, gstr("general.alignment") + struct.pack("<II", 4, 48)], [tensor_info("t", (8,))], b"\0" * 64),
+        "n_dims 5": raw_gguf([arch, canvas], [tensor_info("t", (1, 1, 1, 1, 8))], b"\0" * 64),
+        "n_dims 0": raw_gguf([arch, canvas], [tensor_info("t", (), n_dims=0)], b"\0" * 64),
+        "dimension 0": raw_gguf([arch, canvas], [tensor_info("t", (8, 0))], b"\0" * 64),
+        "overflowing dims": raw_gguf([arch, canvas], [tensor_info("t", (1 << 32, 1 << 32, 1 << 32))], b"\0" * 64),
+        "unknown ggml type": raw_gguf([arch, canvas], [tensor_info("t", (8,), ggml_type=99)], b"\0" * 64),
+        "row not multiple of block": raw_gguf([arch, canvas], [tensor_info("t", (33,), ggml_type=8)], b"\0" * 64),
+        "duplicate tensor names": raw_gguf([arch, canvas], [tensor_info("t", (8,)), tensor_info("t", (8,), offset=32)], b"\0" * 64),
+        "duplicate keys": raw_gguf([arch, arch, canvas], [], b""),
+        "offset+size beyond EOF": raw_gguf([arch, canvas], [tensor_info("t", (8,), offset=1 << 40)], b"\0" * 32),
+        "data beyond EOF": raw_gguf([arch, canvas], [tensor_info("t", (1024,))], b"\0" * 32),
+        "unaligned offset": raw_gguf([arch, canvas], [tensor_info("t", (8,), offset=4)], b"\0" * 64),
+        "overlapping tensors": raw_gguf([arch, canvas], [tensor_info("a", (16,)), tensor_info("b", (16,), offset=32)], b"\0" * 128),
+        "tensor name too long": raw_gguf([arch, canvas], [tensor_info("x" * 200, (8,))], b"\0" * 64),
+        "block_count as string": raw_gguf([arch, canvas, kv_str("diffusion-gemma.block_count", "30")], []),
+        "context_length as float": raw_gguf([arch, canvas, gstr("diffusion-gemma.context_length") + struct.pack("<If", 6, 1.5)], []),
+        "canvas_length as string": raw_gguf([arch, kv_str("diffusion.canvas_length", "256")], []),
+        "canvas_length zero": raw_gguf([arch, kv_u32("diffusion.canvas_length", 0)], []),
+        "architecture as int": raw_gguf([kv_u32("general.architecture", 7), canvas], []),
+        "bool value 2": raw_gguf([arch, canvas, gstr("b") + struct.pack("<IB", 7, 2)], []),
+        "invalid utf-8 key": raw_gguf([arch, canvas, gstr(b"\xff\xfe") + struct.pack("<II", 4, 1)], []),
+    }
+
+
+CORPUS = _corpus()
+
+
+@pytest.mark.parametrize("case", sorted(CORPUS))
+def test_gguf_fuzz_corpus_is_rejected_quickly_with_bounded_memory(tmp_path, case):
+    path = tmp_path / "case.gguf"
+    path.write_bytes(CORPUS[case])
+    tracemalloc.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(GGUFError):
+            check_diffusion_gguf(path)
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert time.monotonic() - started < 1.0
+    assert peak < 1 << 20  # bounded by the (tiny) file, whatever its header claims
+
+
+def test_valid_raw_gguf_passes_and_large_arrays_are_summarised(tmp_path):
+    info = parse_gguf(valid_raw_gguf())
+    assert info.architecture == "diffusion-gemma" and [t.name for t in info.tensors] == ["a.weight"]
+    big = raw_gguf([kv_str("general.architecture", "diffusion-gemma"), gstr("tokens") + struct.pack("<IIQ", 9, 8, 5000)
+                    + b"".join(gstr(f"t{i}") for i in range(5000))], [])
+    summary = parse_gguf(big).metadata["tokens"]
+    assert summary.length == 5000 and summary.item_type == 8
+
+
+def test_wrong_architecture_is_refused_by_the_gate(tmp_path):
+    path = tmp_path / "llama.gguf"
+    path.write_bytes(tiny_gguf_bytes(tmp_path, arch="llama"))
+    with pytest.raises(GGUFError, match='^model architecture "llama" is not supported by dgemma$'):
+        check_diffusion_gguf(path)
+
+
+def test_gate_refuses_non_regular_files_without_blocking(tmp_path):
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(GGUFError, match="not a regular file"):
+        read_gguf_info(fifo)
+    with pytest.raises(GGUFError, match="not a regular file"):
+        read_gguf_info(tmp_path)
+
+
+# ---- E. registry client --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def reg(monkeypatch):
+    with FakeRegistry() as registry, FakeRegistry(blobs=registry.blobs) as cdn:
+        monkeypatch.setenv("DGEMMA_REGISTRY_ALLOW", f"{registry.host},{cdn.host}")
+        monkeypatch.delenv("DGEMMA_REGISTRY_MIRRORS", raising=False)
+        registry.cdn = cdn
+        yield registry
+
+
+def _pull(reg, store, name="library/m:latest", **kw):
+    return list(pull(f"{reg.host}/{name}", store, insecure=True, options=opts(**kw)))
+
+
+def test_huge_manifest_is_capped_even_without_content_length(reg, tmp_path):
+    raw = b'{"schemaVersion":2,"layers":[' + b" " * (5 << 20) + b"]}"
+    reg.set_manifest("library", "m", "latest", raw)
+    reg.faults.manifest_chunks = 64  # streamed: no Content-Length to trust
+    store = Store(tmp_path / "store")
+    with pytest.raises(DgemmaError, match="manifest is too large"):
+        _pull(reg, store)
+    assert not store.root.exists() or not snapshot(store.root)
+
+
+def test_compressed_manifest_is_refused(reg, tmp_path):
+    bomb = gzip.compress(b"{" + b" " * (50 << 20) + b"}")
+    reg.set_manifest("library", "m", "latest", bomb)
+    reg.faults.manifest_headers = {"Content-Encoding": "gzip"}
+    with pytest.raises(DgemmaError, match="unexpected content encoding 'gzip'"):
+        _pull(reg, Store(tmp_path / "store"))
+    assert reg.log[0].headers.get("accept-encoding") == "identity"
+
+
+@pytest.mark.parametrize("manifest,message", [
+    ({"schemaVersion": 2, "config": {"mediaType": "c", "digest": "sha256:" + HEX, "size": 2}}, "missing layers"),
+    ({"schemaVersion": 1, "layers": []}, "schemaVersion"),
+    ({"schemaVersion": 2, "config": {"mediaType": "c", "digest": "sha256:" + HEX, "size": -1}, "layers": []}, "invalid size"),
+    ({"schemaVersion": 2, "config": {"mediaType": "c", "digest": "sha256:" + HEX, "size": 2},
+      "layers": [{"mediaType": MEDIA_MODEL, "digest": "sha256:" + "cd" * 32, "size": 10**13}]}, "invalid size"),
+    ({"schemaVersion": 2, "config": {"mediaType": "c", "digest": "sha256:" + HEX, "size": 2},
+      "layers": [{"mediaType": MEDIA_MODEL, "digest": "sha256:" + HEX, "size": 2}]}, "config digest repeats"),
+    ({"schemaVersion": 2, "config": {"mediaType": "c", "digest": "sha256:" + HEX, "size": 2},
+      "layers": [{"mediaType": MEDIA_MODEL, "digest": "sha256:" + "cd" * 32, "size": 1}] * 65}, "more than 64 layers"),
+    ({"schemaVersion": 2, "config": {"mediaType": "c", "digest": "sha256:" + HEX, "size": 2},
+      "layers": [{"mediaType": MEDIA_MODEL, "digest": "sha256:" + "cd" * 32, "size": 1}] * 50_000}, "manifest is too large"),
+    ({"schemaVersion": 2, "config": {"mediaType": "c", "digest": "sha256:" + HEX, "size": 2},
+      "layers": [{"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "cd" * 32, "size": 1}]},
+     "no model layer"),
+])
+def test_hostile_manifests_give_clean_errors(reg, tmp_path, manifest, message):
+    reg.set_manifest("library", "m", "latest", json.dumps(manifest).encode())
+    store = Store(tmp_path / "store")
+    with pytest.raises(DgemmaError, match=message):
+        _pull(reg, store)
+    assert not store.list_models()
+    assert all(r.path == "/v2/library/m/manifests/latest" for r in reg.log)  # nothing else was fetched
+
+
+def test_token_response_is_capped(reg, tmp_path, monkeypatch):
+    reg.add_model("library/m:latest", [(MEDIA_MODEL, tiny_gguf_bytes(tmp_path))])
+    reg.faults.require_token = True
+    from starlette.responses import Response
+
+    async def huge_token(request):
+        return Response(b'{"token":"' + b"a" * (100 << 10) + b'"}', media_type="application/json")
+
+    reg.app.router.routes = [r for r in reg.app.router.routes if getattr(r, "path", "") != "/token"]
+    from starlette.routing import Route
+
+    reg.app.router.routes.append(Route("/token", huge_token))
+    with pytest.raises(DgemmaError, match="token response is too large"):
+        _pull(reg, Store(tmp_path / "store"))
+
+
+def test_realm_on_another_host_is_refused_and_never_contacted(reg, tmp_path):
+    reg.add_model("library/m:latest", [(MEDIA_MODEL, tiny_gguf_bytes(tmp_path))])
+    reg.faults.require_token = True
+    reg.faults.token_realm = f"http://127.0.0.2:{reg.cdn.port}/token"  # a different host
+    with pytest.raises(DgemmaError, match="^unauthorized: realm host mismatch$"):
+        _pull(reg, Store(tmp_path / "store"))
+    assert not reg.cdn.log
+
+
+def test_no_authorization_to_redirect_target_on_another_host(reg, tmp_path):
+    blob = tiny_gguf_bytes(tmp_path)
+    reg.add_model("library/m:latest", [(MEDIA_MODEL, blob)])
+    reg.faults.require_token = True
+    reg.faults.redirect_blobs_to = reg.cdn.url
+    _pull(reg, Store(tmp_path / "store"))
+    assert reg.cdn.requests_for(digest_of(blob))
+    assert all("authorization" not in r.headers for r in reg.cdn.log)
+
+
+def test_redirect_chain_limit(reg, tmp_path):
+    blob = tiny_gguf_bytes(tmp_path)
+    reg.add_model("library/m:latest", [(MEDIA_MODEL, blob)])
+    reg.faults.redirect_hops = 10  # 1 + 10 redirects: one more than allowed
+    with pytest.raises(DgemmaError, match="too many redirects"):
+        _pull(reg, Store(tmp_path / "s1"))
+    reg.faults.redirect_hops = 9  # exactly 10 redirects: allowed
+    assert _pull(reg, Store(tmp_path / "s2"))[-1] == {"status": "success"}
+
+
+@pytest.mark.parametrize("location", ["http://169.254.169.254/latest/meta-data", "http://10.1.2.3/x",
+                                      "http://[::1]:9/x", "http://0.0.0.0:9/x"])
+def test_redirect_to_internal_address_is_blocked(reg, tmp_path, location):
+    reg.add_model("library/m:latest", [(MEDIA_MODEL, tiny_gguf_bytes(tmp_path))])
+    reg.faults.redirect_location = location
+    with pytest.raises(DgemmaError, match="resolves to a private or local address"):
+        _pull(reg, Store(tmp_path / "store"))
+
+
+def test_private_registry_host_needs_the_allow_list(tmp_path, monkeypatch):
+    with FakeRegistry() as registry:
+        monkeypatch.setenv("DGEMMA_REGISTRY_ALLOW", "")
+        with pytest.raises(DgemmaError, match="DGEMMA_REGISTRY_ALLOW"):
+            list(pull(f"{registry.host}/library/m", Store(tmp_path / "s"), insecure=True, options=opts()))
+        assert not registry.log
+
+
+def test_insecure_never_downgrades_https(monkeypatch):
+    monkeypatch.delenv("DGEMMA_REGISTRY_MIRRORS", raising=False)
+    # Open WebUI's request shape: {"model": "hf.co/...", "insecure": true}
+    endpoint, _ = registry_endpoint(ModelName.parse("hf.co/unsloth/diffusiongemma-26B-A4B-it-GGUF:Q4_K_M"), insecure=True)
+    assert endpoint.url("/v2/x") == "https://hf.co/v2/x"
+    assert registry_endpoint(ModelName.parse("registry.ollama.ai/library/m"), insecure=True)[0].scheme == "https"
+    assert registry_endpoint(ModelName.parse("127.0.0.1:5000/library/m"), insecure=False)[0].scheme == "https"
+    assert registry_endpoint(ModelName.parse("127.0.0.1:5000/library/m"), insecure=True)[0].url("/") == "http://127.0.0.1:5000/"
+    assert registry_endpoint(ModelName.parse("http://h.example/library/m"), insecure=False)[0].scheme == "https"
+    assert registry_endpoint(ModelName.parse("http://h.example/library/m"), insecure=True)[0].scheme == "http"
+
+
+def test_declared_size_mismatch_is_rejected(reg, tmp_path):
+    blob = tiny_gguf_bytes(tmp_path)
+    reg.add_model("library/m:latest", [(MEDIA_MODEL, blob)])
+    manifest = json.loads(reg.manifests[("library", "m", "latest")])
+    manifest["layers"][0]["size"] = len(blob) + 1000  # the registry will answer a different total
+    reg.set_manifest("library", "m", "latest", json.dumps(manifest).encode())
+    store = Store(tmp_path / "store")
+    with pytest.raises(DgemmaError):
+        _pull(reg, store)
+    assert not store.has_blob(digest_of(blob)) and not store.list_models()
