@@ -65,7 +65,7 @@ class ConversionResult:
 class ProgressSink:
     """Receives progress; the default does nothing (quiet). The CLI passes a Rich progress bar on a TTY."""
 
-    def start(self, plan: ConversionPlan) -> None: ...
+    def start(self, n_tensors: int, total_bytes: int) -> None: ...
 
     def tensor(self, index: int, name: str) -> None: ...
 
@@ -83,7 +83,7 @@ def plan(hf_dir: Path, outtype: str | OutType) -> ConversionPlan:
     cfg = load_model_config(hf_dir)
     tok = load_tokenizer(hf_dir, cfg)
     specs = tensor_specs(cfg, tok.n_tokens)
-    types = choose_types(specs, cfg, out)
+    types = choose_types(specs, cfg.n_layer, out)
     tensors = [PlannedTensor(s, t, nbytes(t, s.ne)) for s, t in zip(specs, types)]
     metadata = build_metadata(cfg, load_sampler_defaults(hf_dir), tok, name=hf_dir.resolve().name,
                               file_type=out.file_type, specs=specs)
@@ -118,41 +118,44 @@ def convert(hf_dir: Path, outfile: Path, outtype: str, *, threads: int | None = 
     """Convert a DiffusionGemma checkpoint folder to one GGUF file (atomically: temp file + rename)."""
     started = time.monotonic()
     p = plan(hf_dir, outtype)
-    progress = progress or ProgressSink()
-    outfile = Path(outfile)
-    if outfile.is_dir():
-        raise ConvertError(f"--outfile is a folder: {outfile}")
     with Checkpoint.open(p.hf_dir) as ckpt:
         sources = match_checkpoint(p, ckpt)
-        needs_ggml = any(t.ggml_type not in FLOAT_TYPES for t in p.tensors)
-        quantizer = GGMLQuantizer(threads or os.cpu_count() or 1) if needs_ggml else None
-        with _open_writer(outfile, p) as writer:
-            progress.start(p)
-            try:
-                for index, t in enumerate(p.tensors):
-                    progress.tensor(index, t.name)
-                    chunks = _tensor_bytes(t, sources.get(t.name), ckpt, p.config, quantizer)
-                    writer.write_tensor(t.name, _counted(chunks, progress.advance))
-                writer.finish()
-            finally:
-                progress.stop()
-    return ConversionResult(outfile, len(p.tensors), outfile.stat().st_size, time.monotonic() - started)
+        quantizer = make_quantizer(p.tensors, threads)
+        write_gguf(Path(outfile), p.metadata, p.tensors,
+                   lambda t: _tensor_bytes(t, sources.get(t.name), ckpt, p.config, quantizer), progress)
+    return ConversionResult(Path(outfile), len(p.tensors), Path(outfile).stat().st_size, time.monotonic() - started)
 
 
-def _open_writer(outfile: Path, p: ConversionPlan):
+def make_quantizer(tensors: list[PlannedTensor], threads: int | None) -> GGMLQuantizer | None:
+    """ggml is loaded only when some tensor is quantized (float outputs need numpy only)."""
+    if all(t.ggml_type in FLOAT_TYPES for t in tensors):
+        return None
+    return GGMLQuantizer(threads or os.cpu_count() or 1)
+
+
+def write_gguf(outfile: Path, metadata: list[KeyValue], tensors: list[PlannedTensor],
+               tensor_bytes: Callable[[PlannedTensor], Iterator[bytes | np.ndarray]],
+               progress: ProgressSink | None = None) -> None:
+    """Write metadata and tensor infos, then each tensor's chunks; the file appears only when complete."""
     from dgemma_convert.writer import StreamingGGUFWriter
 
-    writer = StreamingGGUFWriter(outfile, ARCH)
-    try:
-        for kv in p.metadata:
+    if outfile.is_dir():
+        raise ConvertError(f"output path is a folder: {outfile}")
+    progress = progress or ProgressSink()
+    with StreamingGGUFWriter(outfile, ARCH) as writer:
+        for kv in metadata:
             writer.add_key_value(kv.key, kv.value, kv.vtype, kv.sub_type)
-        for t in p.tensors:
+        for t in tensors:
             writer.add_tensor_info(t.name, t.spec.ne, t.ggml_type, t.nbytes)
         writer.begin_data()
-    except BaseException:
-        writer.abort()
-        raise
-    return writer
+        progress.start(len(tensors), sum(t.nbytes for t in tensors))
+        try:
+            for index, t in enumerate(tensors):
+                progress.tensor(index, t.name)
+                writer.write_tensor(t.name, _counted(tensor_bytes(t), progress.advance))
+            writer.finish()
+        finally:
+            progress.stop()
 
 
 def _counted(chunks: Iterator[bytes | np.ndarray], advance: Callable[[int], None]) -> Iterator[bytes | np.ndarray]:
@@ -171,15 +174,20 @@ def _tensor_bytes(t: PlannedTensor, entry: TensorEntry | None, ckpt: Checkpoint,
     if SAME_BYTES.get(entry.dtype) == t.ggml_type:  # bit-exact copy
         yield from ckpt.iter_raw(entry, RAW_CHUNK_BYTES, n_rows)
         return
-    for rows in ckpt.iter_rows_f32(entry, CHUNK_ELEMENTS, n_rows):
-        if t.ggml_type == T.F32:
+    yield from _encode(ckpt.iter_rows_f32(entry, CHUNK_ELEMENTS, n_rows), t.ggml_type, quantizer)
+
+
+def _encode(chunks: Iterator[np.ndarray], ggml_type: T, quantizer: GGMLQuantizer | None) -> Iterator[np.ndarray]:
+    """float32 row chunks -> bytes of the output type."""
+    for rows in chunks:
+        if ggml_type == T.F32:
             yield rows
-        elif t.ggml_type == T.F16:
+        elif ggml_type == T.F16:
             yield rows.astype("<f2")
-        elif t.ggml_type == T.BF16:
+        elif ggml_type == T.BF16:
             yield float32_to_bf16(rows)
         else:
-            yield quantizer.quantize(t.ggml_type, rows)
+            yield quantizer.quantize(ggml_type, rows)
 
 
 def float32_to_bf16(x: np.ndarray) -> np.ndarray:
@@ -191,3 +199,6 @@ def float32_to_bf16(x: np.ndarray) -> np.ndarray:
         rounded[is_nan] = ((u[is_nan] >> 16) | 64).astype(np.uint16)
     return rounded
 
+
+# GGUF -> GGUF quantization lives in its own module; re-exported here, where `dgemma create` looks for it.
+from dgemma_convert.requantize import requantize  # noqa: E402,F401

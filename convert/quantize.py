@@ -18,7 +18,6 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, LlamaFileType as FT, GGMLQuantizationType as T
 
 from dgemma_convert.errors import ConvertError
-from dgemma_convert.hf_config import ModelConfig
 from dgemma_convert.tensor_map import TensorSpec, float_type, is_quantizable
 
 
@@ -76,7 +75,7 @@ def _fit_row_length(t: T, row_length: int) -> T:
     return fallback if row_length % block_size(fallback) == 0 else T.F16
 
 
-def choose_types(specs: Sequence[TensorSpec], cfg: ModelConfig, out: OutType) -> list[T]:
+def choose_types(specs: Sequence[TensorSpec], n_layer: int, out: OutType) -> list[T]:
     """The GGML type of every tensor, in file order (order matters: the attn_v counter of llama-quantize)."""
     if out.base in FLOAT_TYPES:
         return [float_type(spec, out.base) for spec in specs]
@@ -103,7 +102,7 @@ def choose_types(specs: Sequence[TensorSpec], cfg: ModelConfig, out: OutType) ->
             i_attn_v += 1
         elif "ffn_down" in name:  # ffn_down and ffn_down_exps; MoE model, so the layer comes from the name
             layer = int(re.match(r"blk\.(\d+)\.", name).group(1))
-            if mixed and use_more_bits(layer, cfg.n_layer):
+            if mixed and use_more_bits(layer, n_layer):
                 t = T.Q6_K
         types.append(_fit_row_length(t, spec.ne[0]))
     return types

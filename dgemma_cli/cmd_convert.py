@@ -31,17 +31,17 @@ def convert(
 class RichProgress:
     """A Rich progress bar over the output bytes: tensors done, bytes, rate and ETA."""
 
-    def start(self, plan) -> None:
+    def start(self, n_tensors: int, total_bytes: int) -> None:
         from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                    TransferSpeedColumn)
 
-        self.n_tensors = len(plan.tensors)
+        self.n_tensors = n_tensors
         self._bar = Progress(
             TextColumn("{task.fields[tensors]}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
             TimeRemainingColumn(), TextColumn("{task.fields[current]}"), transient=False,
             console=_stderr_console(),
         )
-        self._task = self._bar.add_task("convert", total=plan.total_bytes, tensors=f"0/{self.n_tensors}", current="")
+        self._task = self._bar.add_task("convert", total=total_bytes, tensors=f"0/{self.n_tensors}", current="")
         self._bar.start()
 
     def tensor(self, index: int, name: str) -> None:

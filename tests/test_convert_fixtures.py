@@ -53,3 +53,20 @@ def test_config_forms_a_and_b_give_identical_files(tmp_path, gguf_path, name, ou
     out = tmp_path / "variant.gguf"
     convert(variant, out, outtype, threads=2)
     assert out.read_bytes() == gguf_path(name, outtype).read_bytes()
+
+
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_k_m"])
+def test_requantizing_the_f32_gguf_equals_direct_conversion(tmp_path, gguf_path, outtype):
+    from dgemma_convert import requantize
+
+    out = tmp_path / "requantized.gguf"
+    requantize(gguf_path("tiny-a", "f32"), out, outtype, threads=2)
+    assert out.read_bytes() == gguf_path("tiny-a", outtype).read_bytes()
+
+
+def test_requantizing_a_quantized_gguf_is_refused(tmp_path, gguf_path):
+    from dgemma_convert import ConvertError, requantize
+
+    with pytest.raises(ConvertError, match="only F32, F16 or BF16"):
+        requantize(gguf_path("tiny-a", "q8_0"), tmp_path / "x.gguf", "q4_0")
+    assert list(tmp_path.iterdir()) == []
