@@ -1,0 +1,218 @@
+"""Store library (list, resolve, copy, delete, prune, case-insensitive names) and the `dgemma` store commands run
+as subprocesses with DGEMMA_MODELS pointing at a temporary folder."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dgemma_cli.cmd_store import human_bytes, human_duration
+from dgemma_cli.create import create_model
+from dgemma_cli.errors import DgemmaError
+from dgemma_cli.modelfile import parse_modelfile
+from dgemma_cli.store import MEDIA_MODEL, Store, sha256_file
+from store_helpers import write_tiny_gguf
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_model(store: Store, tmp_path: Path, name: str, extra: str = "") -> None:
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    list(create_model(name, parse_modelfile(f"FROM ./tiny.gguf\n{extra}"), store, tmp_path))
+
+
+def test_layout_and_case_insensitive_lookup_reuses_disk_spelling(tmp_path):
+    store = Store(tmp_path / "store")
+    make_model(store, tmp_path, "hf.co/User/Repo:Q4_K_M")
+    assert (store.root / "manifests/hf.co/User/Repo/Q4_K_M").is_file()
+    assert store.resolve("HF.CO/user/repo:q4_k_m").name == "hf.co/User/Repo:Q4_K_M"
+    assert store.manifest_path("hf.co/user/REPO:q4_k_m") == store.root / "manifests/hf.co/User/Repo/Q4_K_M"
+
+
+def test_list_entries(tmp_path):
+    store = Store(tmp_path / "store")
+    make_model(store, tmp_path, "a")
+    time.sleep(0.02)
+    make_model(store, tmp_path, "b", "SYSTEM x\n")
+    entries = store.list_models()
+    assert [e.name for e in entries] == ["b:latest", "a:latest"]  # newest first
+    manifest = store.read_manifest("a")
+    a = entries[1]
+    assert a.digest == manifest.digest and a.size == manifest.total_size
+    assert a.details["family"] == "diffusion-gemma" and a.details["quantization_level"] == "F32"
+
+
+def test_copy_shares_blobs_and_delete_prunes_only_unreferenced(tmp_path):
+    store = Store(tmp_path / "store")
+    make_model(store, tmp_path, "a", "SYSTEM only-a\n")
+    store.copy("a", "b")
+    assert store.read_manifest("b").raw == store.read_manifest("a").raw
+    gguf_digest = store.read_manifest("a").layer(MEDIA_MODEL).digest
+    assert store.delete("a") == []  # b still references everything
+    removed = store.delete("b")
+    assert gguf_digest in removed and not store.has_blob(gguf_digest)
+    assert not any(store.manifests_dir.iterdir())  # empty manifest folders removed
+    with pytest.raises(DgemmaError, match="^model 'a:latest' not found$"):
+        store.delete("a")
+    with pytest.raises(DgemmaError, match="^model 'nope:latest' not found$"):
+        store.copy("nope", "x")
+
+
+def test_prune_respects_age_and_references(tmp_path):
+    store = Store(tmp_path / "store")
+    make_model(store, tmp_path, "a")
+    orphan_old = store.blobs_dir / ("sha256-" + "1" * 64)
+    orphan_new = store.blobs_dir / ("sha256-" + "2" * 64)
+    junk_old = store.blobs_dir / "sha256-junk-partial-0"
+    for p in (orphan_old, orphan_new, junk_old):
+        p.write_bytes(b"x")
+    old = time.time() - 7200
+    for p in (orphan_old, junk_old, *store.blobs_dir.glob("sha256-*")):
+        os.utime(p, (old, old))
+    os.utime(orphan_new, None)
+    removed = store.prune(min_age_s=3600)
+    assert sorted(removed) == sorted([orphan_old.name, junk_old.name])
+    assert orphan_new.exists() and store.resolve("a").gguf_path.exists()
+
+
+def test_legacy_colon_blob_names_are_renamed_by_prune(tmp_path):
+    store = Store(tmp_path / "store")
+    make_model(store, tmp_path, "a")
+    path = store.resolve("a").gguf_path
+    legacy = path.with_name(path.name.replace("sha256-", "sha256:"))
+    path.rename(legacy)
+    store.prune(min_age_s=3600)
+    assert path.exists() and not legacy.exists()
+
+
+@pytest.mark.parametrize("n,text", [(0, "0 B"), (999, "999 B"), (1000, "1 KB"), (1500, "1.5 KB"), (4_700_000_000, "4.7 GB"),
+                                    (16_912_345_678, "16 GB"), (986_000_000, "986 MB"), (1_000_000_000, "1 GB")])
+def test_human_bytes(n, text):
+    assert human_bytes(n) == text
+
+
+@pytest.mark.parametrize("s,text", [(0.2, "Less than a second"), (1, "1 second"), (59, "59 seconds"), (60, "About a minute"),
+                                    (150, "2 minutes"), (3600, "About an hour"), (5 * 3600, "5 hours"),
+                                    (3 * 86400, "3 days"), (20 * 86400, "2 weeks"), (90 * 86400, "3 months"),
+                                    (800 * 86400, "2 years")])
+def test_human_duration(s, text):
+    assert human_duration(s) == text
+
+
+# ---- CLI as a subprocess -------------------------------------------------------------------------------------------
+
+def dgemma(tmp_path: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DGEMMA_MODELS": str(tmp_path / "store"), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "dgemma_cli.main", *args], capture_output=True, text=True,
+                          env=env, cwd=cwd or tmp_path, timeout=60)
+
+
+def in_process(env: dict[str, str], *args: str) -> tuple[int, str, str]:
+    """Run `dgemma ARGS` through the real entry point (error wrapper included) without a new interpreter."""
+    import contextlib
+    import io
+
+    from dgemma_cli import main as cli
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_argv = dict(os.environ), sys.argv
+    os.environ.update(env)
+    sys.argv = ["dgemma", *args]
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli.main()
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.argv = saved_argv
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_cli_create_list_show_cp_rm(tmp_path):
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    (tmp_path / "Modelfile").write_text('FROM ./tiny.gguf\nPARAMETER diffusion_steps 16\nPARAMETER stop "<end>"\n'
+                                        'SYSTEM """Line one.\nLine two.\nLine three."""\nLICENSE MIT\n')
+    r = dgemma(tmp_path, "create", "demo")
+    assert r.returncode == 0, r.stderr
+    assert "writing manifest" in r.stderr and "success" in r.stderr and r.stdout == ""
+
+    r = dgemma(tmp_path, "list")
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["NAME", "ID", "SIZE", "MODIFIED"]
+    digest = Store(tmp_path / "store").read_manifest("demo").digest
+    assert lines[1].startswith("demo:latest    ") and f"    {digest[:12]}    " in lines[1]
+    assert lines[1].rstrip().endswith("ago") and " KB    " in lines[1]
+
+    r = dgemma(tmp_path, "show", "demo")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "  Model\n    architecture        diffusion-gemma\n" in out
+    assert "    quantization        F32\n" in out and "    context length      64\n" in out
+    assert "  Diffusion\n    canvas length           16\n    max denoising steps     16\n" in out
+    assert "    temperature schedule    0.8 → 0.4\n" in out
+    assert "  System\n    Line one.\n    Line two.\n    ...\n" in out
+    assert "  Parameters\n    diffusion_steps    16\n    stop               \"<end>\"\n" in out
+
+    r = dgemma(tmp_path, "show", "demo", "--modelfile")
+    blob = Store(tmp_path / "store").blob_path(sha256_file(gguf))
+    assert r.stdout.startswith('# Modelfile generated by "dgemma show"\n')
+    assert f"\nFROM {blob}\n" in r.stdout and "\nPARAMETER stop <end>\n" in r.stdout
+    env = {"DGEMMA_MODELS": str(tmp_path / "store")}
+    assert in_process(env, "show", "demo", "--parameters") == (
+        0, "diffusion_steps                16\nstop                           \"<end>\"\n", "")
+    assert in_process(env, "show", "demo", "--license") == (0, "MIT\n", "")
+    assert in_process(env, "show", "demo", "--system") == (0, "Line one.\nLine two.\nLine three.\n", "")
+    assert in_process(env, "show", "demo", "--license", "--system") == (
+        1, "", "Error: only one of '--license', '--modelfile', '--parameters', '--system', or '--template' can be specified\n")
+    assert "  Tensors\n" in in_process(env, "show", "demo", "-v")[1]
+
+    assert dgemma(tmp_path, "cp", "demo", "other/copy:v1").stdout == "copied 'demo' to 'other/copy:v1'\n"
+    r = dgemma(tmp_path, "ls", "OTHER")
+    assert [line.split()[0] for line in r.stdout.splitlines()] == ["NAME", "other/copy:v1"]
+    assert dgemma(tmp_path, "rm", "demo", "other/copy:v1").stdout == "deleted 'demo'\ndeleted 'other/copy:v1'\n"
+    assert not [p for p in (tmp_path / "store" / "blobs").iterdir()]
+    assert dgemma(tmp_path, "list").stdout.strip() == "NAME    ID    SIZE    MODIFIED"
+
+
+@pytest.mark.parametrize("args,message", [
+    (("show", "missing"), "Error: model 'missing:latest' not found\n"),
+    (("rm", "missing"), "Error: model 'missing:latest' not found\n"),
+    (("create", "bad/../name"), "Error: invalid model name: bad/../name\n"),
+    (("cp", "../x", "y"), 'Error: source "../x" is invalid\n'),
+    (("cp", "x", "a/b/c/d"), 'Error: destination "a/b/c/d" is invalid\n'),
+    (("create", "m", "-f", "nope"), "Error: Modelfile not found: nope\n"),
+])
+def test_cli_errors_are_one_line(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    assert in_process({"DGEMMA_MODELS": str(tmp_path / "store")}, *args) == (1, "", message)
+
+
+def test_cli_modelfile_error_has_line_number(tmp_path):
+    (tmp_path / "Modelfile").write_text("FROM x\nNOPE y\n")
+    r = dgemma(tmp_path, "create", "m")
+    assert r.returncode == 1 and r.stderr.startswith("Error: (line 2): command must be one of")
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_cli_pull_through_mirror(tmp_path):
+    from registry_server import FakeRegistry
+
+    blob = write_tiny_gguf(tmp_path / "tiny.gguf").read_bytes()
+    with FakeRegistry() as reg:
+        reg.add_model("unsloth/tiny-GGUF:Q4_K_M", [(MEDIA_MODEL, blob)])
+        env_extra = {"DGEMMA_REGISTRY_MIRRORS": f"hf.co={reg.url}", "DGEMMA_PULL_BACKOFF": "0.01"}
+        env = {**os.environ, "DGEMMA_MODELS": str(tmp_path / "store"), **env_extra}
+        r = subprocess.run([sys.executable, "-m", "dgemma_cli.main", "pull", "hf.co/unsloth/tiny-GGUF:Q4_K_M"],
+                           capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines()[0] == "pulling manifest" and "success" in r.stderr
+    assert json.loads((tmp_path / "store/manifests/hf.co/unsloth/tiny-GGUF/Q4_K_M").read_bytes())["layers"][0]["size"] == len(blob)
