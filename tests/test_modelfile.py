@@ -1,6 +1,8 @@
 """Modelfile grammar (Ollama's parser/parser.go behaviour), typed PARAMETERs, printer, round-trip property."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -168,3 +170,20 @@ def test_round_trip_parse_print_parse(text):
     first = parse_modelfile(text)
     second = parse_modelfile(format_modelfile(first))
     assert second == first
+
+
+# ---- shipped presets -------------------------------------------------------------------------------------------
+
+PRESETS = sorted((Path(__file__).resolve().parent.parent / "modelfiles").glob("*.Modelfile"))
+
+
+def test_presets_parse_and_pass_range_checks():
+    by_name = {p.stem: parse_modelfile(p.read_bytes()) for p in PRESETS}
+    assert {"fast", "careful", "creative"} <= set(by_name)
+    for name, mf in by_name.items():
+        check_parameter_ranges(mf.parameters)
+        assert mf.from_ and (PRESETS[0].parent / f"{name}.Modelfile").read_text().startswith("# "), name
+    assert by_name["fast"].parameters["diffusion_steps"] == 16
+    assert by_name["careful"].parameters["diffusion_steps"] > 48
+    assert by_name["careful"].parameters["diffusion_confidence_threshold"] < 0.005
+    assert by_name["creative"].parameters["diffusion_t_max"] > 0.8
