@@ -134,3 +134,22 @@ def test_failure_while_writing_removes_the_temporary_file(ckpt, out_dir):
     with pytest.raises(ConvertError, match="simulated"):
         convert(ckpt, out_dir / "out.gguf", "f32", progress=Explode())
     assert list(out_dir.iterdir()) == []
+
+
+def test_progress_bar_on_a_tty(ckpt, out_dir):
+    """On a terminal the conversion shows tensors done, bytes, rate and ETA, then a summary line."""
+    import pexpect
+
+    from dgemma_convert import plan
+
+    n_tensors = len(plan(ckpt, "q8_0").tensors)
+    child = pexpect.spawn(sys.executable, ["-m", "dgemma_cli.main", "convert", str(ckpt), "--outfile",
+                                           str(out_dir / "out.gguf"), "--outtype", "q8_0"],
+                          dimensions=(24, 200), timeout=120, encoding="utf-8")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    screen = child.before
+    assert f"{n_tensors}/{n_tensors} tensors" in screen
+    assert "/s" in screen and "kB" in screen  # rate and bytes columns
+    assert f"wrote {out_dir / 'out.gguf'} ({n_tensors} tensors" in screen
