@@ -3,7 +3,7 @@ import sys
 
 import typer
 
-from dgemma_cli import cmd_convert, cmd_debug, cmd_serve, cmd_store
+from dgemma_cli import cmd_convert, cmd_debug, cmd_run, cmd_serve, cmd_store
 
 app = typer.Typer(
     name="dgemma",
@@ -16,6 +16,7 @@ app.command("convert")(cmd_convert.convert)
 app.add_typer(cmd_debug.app, name="debug")
 cmd_serve.register(app)
 cmd_store.register(app)
+cmd_run.register(app)
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:

@@ -1,0 +1,214 @@
+"""Text output of `dgemma run`: the `--verbose` timing block, thinking blocks, word wrapping, and `/show info`.
+
+Ollama's wording and layout are kept exactly (spec ollama-compat.md §1.2, §1.4) so that scripts and eyes used to
+`ollama run` read dgemma's output the same way.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from dgemma_cli.server.durations import go_duration
+
+LABEL_WIDTH = 22  # "prompt eval duration: " is the longest label
+
+
+def _line(label: str, value: str) -> str:
+    return f"{label + ':':<{LABEL_WIDTH}}{value}"
+
+
+def _rate(count: int, duration_ns: int) -> str:
+    return f"{count / (duration_ns / 1e9):.2f}"
+
+
+def timing_block(final: dict[str, Any]) -> str:
+    """Ollama's `--verbose` statistics from a final response object, zero-valued lines omitted; then dgemma's diffusion
+    lines: steps run, canvases, mean steps per canvas and the denoising rate (steps per second of eval time)."""
+    get = lambda key: int(final.get(key) or 0)  # noqa: E731
+    lines = []
+    if get("total_duration"):
+        lines.append(_line("total duration", go_duration(get("total_duration"))))
+    if get("load_duration"):
+        lines.append(_line("load duration", go_duration(get("load_duration"))))
+    if get("prompt_eval_count"):
+        lines.append(_line("prompt eval count", f"{get('prompt_eval_count')} token(s)"))
+    if get("prompt_eval_duration"):
+        lines.append(_line("prompt eval duration", go_duration(get("prompt_eval_duration"))))
+        lines.append(_line("prompt eval rate", f"{_rate(get('prompt_eval_count'), get('prompt_eval_duration'))} tokens/s"))
+    if get("eval_count"):
+        lines.append(_line("eval count", f"{get('eval_count')} token(s)"))
+    if get("eval_duration"):
+        lines.append(_line("eval duration", go_duration(get("eval_duration"))))
+        lines.append(_line("eval rate", f"{_rate(get('eval_count'), get('eval_duration'))} tokens/s"))
+    if get("denoise_steps"):
+        lines.append(_line("denoise steps", str(get("denoise_steps"))))
+    if get("canvases"):
+        lines.append(_line("canvases", str(get("canvases"))))
+    if get("denoise_steps") and get("canvases"):
+        lines.append(_line("steps per canvas", f"{get('denoise_steps') / get('canvases'):.2f}"))
+    if get("denoise_steps") and get("eval_duration"):
+        lines.append(_line("denoise rate", f"{_rate(get('denoise_steps'), get('eval_duration'))} steps/s"))
+    return "\n".join(lines)
+
+
+class WordWrapper:
+    """Streaming word wrap at `width` columns: a word that would cross the edge starts a new line. Words are held
+    until the space or newline after them arrives (`flush()` releases the last one)."""
+
+    def __init__(self, width: int):
+        self.width = max(10, width)
+        self.column = 0
+        self.word = ""
+
+    def _place_word(self) -> str:
+        out = ""
+        if self.word:
+            if self.column and self.column + len(self.word) > self.width:
+                out += "\n"
+                self.column = 0
+            out += self.word
+            self.column += len(self.word)
+            self.word = ""
+        return out
+
+    def feed(self, text: str) -> str:
+        out = ""
+        for ch in text:
+            if ch == "\n":
+                out += self._place_word() + "\n"
+                self.column = 0
+            elif ch == " ":
+                out += self._place_word()
+                if self.column >= self.width:
+                    out += "\n"
+                    self.column = 0
+                else:
+                    out += " "
+                    self.column += 1
+            else:
+                self.word += ch
+        return out
+
+    def flush(self) -> str:
+        return self._place_word()
+
+
+DIM = "\x1b[2m"
+RESET = "\x1b[0m"
+
+
+@dataclass
+class AnswerPrinter:
+    """Prints streamed `content` and `thinking` the way `ollama run` does: a dimmed `Thinking...` block (hidden with
+    `hide_thinking`), then the answer; optional word wrap; colours only on a terminal."""
+
+    out: TextIO = sys.stdout
+    color: bool = False
+    wrap_width: int | None = None
+    hide_thinking: bool = False
+
+    def __post_init__(self) -> None:
+        self.state = "start"  # start -> thinking -> answer
+        self.wrapper = WordWrapper(self.wrap_width) if self.wrap_width else None
+        self.printed_any = False
+        self.last_char = "\n"
+
+    def _write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
+            self.printed_any = True
+            self.last_char = text[-1]
+
+    def _wrapped(self, text: str) -> str:
+        return self.wrapper.feed(text) if self.wrapper else text
+
+    def thinking(self, text: str) -> None:
+        if not text or self.hide_thinking:
+            return
+        if self.state == "start":
+            self._write((DIM if self.color else "") + "Thinking...\n")
+            self.state = "thinking"
+        self._write(self._wrapped(text))
+
+    def content(self, text: str) -> None:
+        if not text:
+            return
+        if self.state == "thinking":
+            tail = self.wrapper.flush() if self.wrapper else ""
+            self._write(tail + "\n...done thinking.\n\n" + (RESET if self.color else ""))
+            if self.wrapper:
+                self.wrapper = WordWrapper(self.wrapper.width)
+        self.state = "answer"
+        self._write(self._wrapped(text))
+
+    def finish(self) -> None:
+        """End of the answer: the held word, closing the thinking block if no answer followed, a final newline."""
+        if self.wrapper:
+            self._write(self.wrapper.flush())
+        if self.state == "thinking":
+            self._write("\n...done thinking.\n" + (RESET if self.color else ""))
+        if self.printed_any and self.last_char != "\n":
+            self._write("\n")
+
+
+# ---- /api/show as text ----------------------------------------------------------------------------------------------
+
+def _block(title: str, rows: list[tuple[str, str]]) -> list[str]:
+    if not rows:
+        return []
+    width = max(len(k) for k, _ in rows)
+    return [f"  {title}"] + [f"    {k:<{width}}    {v}".rstrip() for k, v in rows] + [""]
+
+
+def _first_lines(text: str) -> list[tuple[str, str]]:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    rows = [(line, "") for line in lines[:2]]
+    if len(lines) > 2:
+        rows.append(("...", ""))
+    return rows
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def show_info_text(show: dict[str, Any]) -> str:
+    """The `show MODEL` info tables (§1.4) from an `/api/show` answer."""
+    info = show.get("model_info") or {}
+    details = show.get("details") or {}
+    arch = info.get("general.architecture") or details.get("family") or ""
+    model_rows = [("architecture", arch)]
+    if details.get("parameter_size"):
+        model_rows.append(("parameters", details["parameter_size"]))
+    for label, key in (("context length", "context_length"), ("embedding length", "embedding_length")):
+        if f"{arch}.{key}" in info:
+            model_rows.append((label, _number(info[f"{arch}.{key}"])))
+    if details.get("quantization_level"):
+        model_rows.append(("quantization", details["quantization_level"]))
+    caps = [(c, "") for c in show.get("capabilities") or []]
+    diffusion = []
+    if "diffusion.canvas_length" in info:
+        diffusion.append(("canvas length", _number(info["diffusion.canvas_length"])))
+    d = {k: info.get(f"diffusion.eb_{k}") for k in ("max_steps", "t_max", "t_min", "entropy_bound",
+                                                      "confidence_threshold", "stability_threshold")}
+    if d["max_steps"] is not None:
+        diffusion.append(("max denoising steps", _number(d["max_steps"])))
+    if d["t_max"] is not None and d["t_min"] is not None:
+        diffusion.append(("temperature schedule", f"{_number(d['t_max'])} → {_number(d['t_min'])}"))
+    for label, key in (("entropy bound", "entropy_bound"), ("confidence threshold", "confidence_threshold"),
+                       ("stability threshold", "stability_threshold")):
+        if d[key] is not None:
+            diffusion.append((label, _number(d[key])))
+    params = []
+    for line in (show.get("parameters") or "").splitlines():
+        key, _, value = line.partition(" ")
+        if key:
+            params.append((key, value.strip()))
+    lines = (_block("Model", model_rows) + _block("Capabilities", caps) + _block("Diffusion", diffusion)
+             + _block("Parameters", params) + _block("System", _first_lines(show.get("system", "")))
+             + _block("License", _first_lines(show.get("license", ""))))
+    return "\n".join(lines).rstrip("\n") + "\n"
