@@ -91,10 +91,16 @@ def check_jinja_template(text: str) -> None:
 
 # ---- FROM resolution -----------------------------------------------------------------------------------------------
 
-def _local_path(value: str, base_dir: Path) -> Path | None:
+def _local_path(value: str, base_dir: Path, paths_within: Path | None) -> Path | None:
+    """The existing local file or folder FROM names, else None (then it is a model name).
+
+    With `paths_within` (the server, which must never open paths chosen by a client, §8 C) only files inside that
+    folder count; anything else falls through to model-name validation."""
     path = Path(value).expanduser()
     if not path.is_absolute():
         path = base_dir / path
+    if paths_within is not None and path.resolve().parent != paths_within.resolve():
+        return None
     return path if path.exists() else None
 
 
@@ -155,6 +161,10 @@ def _requantize(src: Path, dst: Path, quantize: str) -> None:
 # ---- create --------------------------------------------------------------------------------------------------------
 
 def _import_layer(store: Store, path: Path, media_type: str, from_: str | None) -> tuple[Layer, dict[str, Any]]:
+    if path.resolve().parent == store.blobs_dir.resolve() and store.has_blob(path.name):
+        # Already a verified blob (an upload, or `show --modelfile` output): reference it instead of copying it.
+        digest = "sha256:" + path.name.removeprefix("sha256-")
+        return Layer(media_type, digest, path.stat().st_size, from_), {"status": f"using existing layer {digest}"}
     digest, size, created = store.import_file(path)
     verb = "creating new layer" if created else "using existing layer"
     return Layer(media_type, digest, size, from_), {"status": f"{verb} {digest}"}
@@ -172,10 +182,16 @@ def _digest_bytes(data: bytes) -> str:
 
 
 def create_model(name: ModelName | str, modelfile: Modelfile, store: Store, base_dir: Path | str,
-                 quantize: str | None = None) -> Iterator[dict[str, Any]]:
-    """Create `name` from a parsed Modelfile, yielding Ollama's status objects; raises DgemmaError subclasses."""
+                 quantize: str | None = None, paths_within: Path | None = None) -> Iterator[dict[str, Any]]:
+    """Create `name` from a parsed Modelfile, yielding Ollama's status objects; raises DgemmaError subclasses.
+
+    `base_dir`: folder that relative FROM paths start from (the Modelfile's folder). `paths_within`: if given, local
+    FROM paths are honoured only inside that folder; it defaults to `blobs/` when `base_dir` is the store's blobs
+    folder (the server's call), so a client can never make the server open an arbitrary path."""
     model_name = name if isinstance(name, ModelName) else ModelName.parse(name)
     base_dir = Path(base_dir)
+    if paths_within is None and base_dir.resolve() == store.blobs_dir.resolve():
+        paths_within = store.blobs_dir
     if modelfile.adapter is not None:
         raise CreateError("adapters are not supported")
     if not modelfile.froms:
@@ -192,7 +208,7 @@ def create_model(name: ModelName | str, modelfile: Modelfile, store: Store, base
 
     store.ensure_dirs()
     source = modelfile.from_ or ""
-    local = _local_path(source, base_dir)
+    local = _local_path(source, base_dir, paths_within)
     layers: list[Layer] = []
     params: dict[str, Any] = {}
     messages: list[dict[str, str]] = []

@@ -158,3 +158,23 @@ def test_recreating_a_name_removes_layers_only_it_used(store, tmp_path):
     create(store, "m", "FROM ./tiny.gguf\nSYSTEM second\n", tmp_path)
     assert not store.has_blob(old_system)
     assert store.resolve("m").system == "second"
+
+
+def test_server_style_create_never_opens_paths_outside_blobs(store, tmp_path):
+    secret = write_tiny_gguf(tmp_path / "secret.gguf")
+    store.ensure_dirs()
+    for source in (str(secret), "../../secret.gguf", "/etc/passwd"):
+        with pytest.raises(DgemmaError, match="^invalid model name$"):
+            create(store, "m", f"FROM {source}\n", store.blobs_dir)
+    assert not store.list_models() and not any(store.blobs_dir.iterdir())
+
+
+def test_create_from_a_blob_path_references_it_without_copying(store, tmp_path):
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    create(store, "a", "FROM ./tiny.gguf\n", tmp_path)
+    blob = store.resolve("a").gguf_path
+    before = sorted(store.blobs_dir.iterdir())
+    events = create(store, "b", f"FROM {blob.name}\n", store.blobs_dir)
+    assert f"using existing layer sha256:{blob.name[7:]}" in [e["status"] for e in events]
+    assert store.resolve("b").gguf_path == blob
+    assert len(sorted(store.blobs_dir.iterdir())) == len(before)  # the config blob is shared too
