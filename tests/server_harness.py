@@ -209,15 +209,16 @@ def free_port() -> int:
 
 def wait_until_up(url: str, timeout: float = 20.0, process: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"dgemma serve exited with {process.returncode}")
-        try:
-            if httpx.head(url + "/", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
+    with httpx.Client(timeout=1.0) as client:
+        while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"dgemma serve exited with {process.returncode}")
+            try:
+                if client.head(url + "/").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.02)
     raise RuntimeError("server did not come up")
 
 

@@ -165,10 +165,10 @@ class _Job:
         return WorkerStream(produce, lambda failed: lease.release(failed)), sampler.progress
 
 
-def _ndjson(stream: WorkerStream, render) -> GuardedStreamingResponse:
+def _ndjson(stream: WorkerStream, render, source=None) -> GuardedStreamingResponse:
     async def body():
         try:
-            async for item in stream:
+            async for item in source if source is not None else stream:
                 line = render(item)
                 if line is not None:
                     yield json_line(line)
@@ -398,7 +398,23 @@ async def pull(req: schemas.PullRequest, request: Request):
 async def _progress_answer(request: Request, stream: WorkerStream, stream_flag: bool | None):
     """Pull/create status streams: NDJSON of status objects, or the last one (`success`) with `stream: false`."""
     if _stream_flag(stream_flag):
-        return _ndjson(stream, lambda item: item)
+        # Wait for the first status so that validation failures still get their real status code (not 200 + line).
+        items = stream.__aiter__()
+        try:
+            first = await until_disconnected(request, items.__anext__())
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            stream.stop()
+            raise
+
+        async def statuses():
+            if first is not None:
+                yield first
+            async for item in items:
+                yield item
+
+        return _ndjson(stream, lambda item: item, statuses())
     items = await collect(request, stream)
     return JSONResponse(items[-1] if items else {"status": "success"})
 
