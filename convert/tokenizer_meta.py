@@ -56,16 +56,15 @@ def load_tokenizer(hf_dir: Path, cfg: ModelConfig) -> TokenizerMeta:
     control_ids = set(special_ids.values()) | {i for i, special in added.items() if special}
     control_ids |= {token_to_id[t] for t in _extra_special_tokens(tok_config) if t in token_to_id}
 
-    types = []
+    types = [int(TokenType.NORMAL)] * len(id_to_token)
     for i, tok in enumerate(id_to_token):
-        if BYTE_TOKEN.fullmatch(tok):
-            types.append(int(TokenType.BYTE))
-        elif i in control_ids or looks_like_control(tok):
-            types.append(int(TokenType.CONTROL))
+        bracketed = tok.startswith("<")  # byte and control-shaped tokens all start with "<" (a fast pre-check)
+        if bracketed and BYTE_TOKEN.fullmatch(tok):
+            types[i] = int(TokenType.BYTE)
+        elif i in control_ids or (bracketed and looks_like_control(tok)):
+            types[i] = int(TokenType.CONTROL)
         elif i in added:
-            types.append(int(TokenType.USER_DEFINED))
-        else:
-            types.append(int(TokenType.NORMAL))
+            types[i] = int(TokenType.USER_DEFINED)
 
     return TokenizerMeta(
         tokens=id_to_token,
