@@ -70,3 +70,35 @@ def test_requantizing_a_quantized_gguf_is_refused(tmp_path, gguf_path):
     with pytest.raises(ConvertError, match="only F32, F16 or BF16"):
         requantize(gguf_path("tiny-a", "q8_0"), tmp_path / "x.gguf", "q4_0")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_tokenizer_keys(gguf_path, name):
+    """tokenizer.* keys straight from tokenizer.json / tokenizer_config.json / chat_template.jinja (spec §7)."""
+    import re
+
+    from spec_layout import read_gguf
+
+    folder = FIXTURES / name
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    kv, _, _ = read_gguf(gguf_path(name, "f32"))
+    by_id = {i: t for t, i in tok["model"]["vocab"].items()} | {a["id"]: a["content"] for a in tok["added_tokens"]}
+    assert kv["tokenizer.ggml.tokens"] == [by_id[i] for i in range(len(by_id))]
+    assert kv["tokenizer.ggml.merges"] == [f"{a} {b}" for a, b in tok["model"]["merges"]]
+    assert kv["tokenizer.chat_template"] == (folder / "chat_template.jinja").read_text()
+    ids = {t: i for i, t in by_id.items()}
+    for role, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"),
+                      ("pad", "padding_token_id"), ("mask", "mask_token_id")):
+        assert kv[f"tokenizer.ggml.{key}"] == ids[tok_config[f"{role}_token"]]
+    assert (kv["tokenizer.ggml.bos_token_id"], kv["tokenizer.ggml.eos_token_id"]) == (2, 1)
+    types = kv["tokenizer.ggml.token_type"]
+    for i, t in by_id.items():
+        if re.fullmatch(r"<0x[0-9A-F]{2}>", t):
+            assert types[i] == 6, t  # BYTE
+        elif any(a["id"] == i and a["special"] for a in tok["added_tokens"]):
+            assert types[i] == 3, t  # CONTROL
+        else:
+            assert types[i] == 1, t  # NORMAL
+    assert set(kv["tokenizer.ggml.scores"]) == {-1000.0}
+    assert kv["tokenizer.ggml.add_bos_token"] is True and kv["tokenizer.ggml.add_space_prefix"] is False
