@@ -100,7 +100,8 @@ def main() -> None:
             r["input_bytes"] = input_bytes
             r["input_MB_per_s"] = input_bytes / r["seconds"] / 1e6
             results.append(r)
-            print(f"{outtype:>6}: peak RSS {r['peak_rss_bytes'] / 1e6:7.1f} MB (sampled {r['sampled_peak_rss_bytes'] / 1e6:.1f} MB), "
+            print(f"{outtype:>6}: peak RSS {r['peak_rss_bytes'] / 1e6:7.1f} MB "
+                  f"(sampled {r['sampled_peak_rss_bytes'] / 1e6:.1f} MB), "
                   f"{r['seconds']:6.1f} s, {r['input_MB_per_s']:6.1f} MB/s in, output {r['output_bytes'] / 1e9:.2f} GB",
                   flush=True)
             if not args.keep:

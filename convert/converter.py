@@ -84,7 +84,7 @@ def plan(hf_dir: Path, outtype: str | OutType) -> ConversionPlan:
     tok = load_tokenizer(hf_dir, cfg)
     specs = tensor_specs(cfg, tok.n_tokens)
     types = choose_types(specs, cfg.n_layer, out)
-    tensors = [PlannedTensor(s, t, nbytes(t, s.ne)) for s, t in zip(specs, types)]
+    tensors = [PlannedTensor(s, t, nbytes(t, s.ne)) for s, t in zip(specs, types, strict=True)]
     metadata = build_metadata(cfg, load_sampler_defaults(hf_dir), tok, name=hf_dir.resolve().name,
                               file_type=out.file_type, specs=specs)
     return ConversionPlan(hf_dir, out, cfg, metadata, tensors)

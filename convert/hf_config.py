@@ -166,7 +166,8 @@ def parse_model_config(config: dict[str, Any]) -> ModelConfig:
         raise ConvertError("config.json: 'text_config' must be an object")
     where = "config.json text_config"
     if text.get("model_type", TEXT_MODEL_TYPE) != TEXT_MODEL_TYPE:
-        raise ConvertError(f"unsupported text_config.model_type {text.get('model_type')!r} (expected {TEXT_MODEL_TYPE!r})")
+        raise ConvertError(f"unsupported text_config.model_type {text.get('model_type')!r} "
+                           f"(expected {TEXT_MODEL_TYPE!r})")
     if text.get("use_bidirectional_attention") == "all":
         raise ConvertError("use_bidirectional_attention = 'all' is not supported (the encoder must be causal)")
     if text.get("attention_bias"):
@@ -281,7 +282,8 @@ def _resolve_layers(text: dict[str, Any], n_layer: int, n_head: int, where: str)
         sizes = {layer.head_dim for layer in layers if layer.sliding == sliding}
         if len(sizes) > 1:
             kind = "sliding" if sliding else "full"
-            raise ConvertError(f"{where}: {kind} layers have different head sizes {sorted(sizes)}; GGUF cannot store that")
+            raise ConvertError(f"{where}: {kind} layers have different head sizes {sorted(sizes)}; "
+                               "GGUF stores one per layer type")
     return tuple(layers)
 
 

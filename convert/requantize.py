@@ -41,7 +41,7 @@ def requantize(src: Path, dst: Path, outtype: str, *, threads: int | None = None
     if not isinstance(n_layer, int) or n_layer < 1:
         raise ConvertError(f"{src}: missing or invalid {ARCH}.block_count")
     types = choose_types([s.spec for s in sources], n_layer, out)
-    planned = [PlannedTensor(s.spec, t, nbytes(t, s.spec.ne)) for s, t in zip(sources, types)]
+    planned = [PlannedTensor(s.spec, t, nbytes(t, s.spec.ne)) for s, t in zip(sources, types, strict=True)]
     file_type = KeyValue("general.file_type", int(out.file_type), V.UINT32)
     if not any(kv.key == file_type.key for kv in metadata):
         metadata.append(file_type)

@@ -98,13 +98,15 @@ def hf_source(name: str) -> str | None:
         "attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
         "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k.weight": "self_attn.k_proj.weight",
         "attn_k_norm.weight": "self_attn.k_norm.weight", "attn_v.weight": "self_attn.v_proj.weight",
-        "attn_output.weight": "self_attn.o_proj.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
         "ffn_norm.weight": "pre_feedforward_layernorm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
         "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
         "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight", "ffn_gate_inp.weight": "router.proj.weight",
         "ffn_gate_inp.scale": "router.scale", "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
         "ffn_gate_up_exps.weight": "experts.gate_up_proj", "ffn_down_exps.weight": "experts.down_proj",
-        "ffn_down_exps.scale": "router.per_expert_scale", "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+        "ffn_down_exps.scale": "router.per_expert_scale",
+        "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
         "post_ffw_norm.weight": "post_feedforward_layernorm.weight", "layer_output_scale.weight": "layer_scalar"}
     return f"{d}layers.{i}.{per_layer[rest]}"
 
