@@ -178,3 +178,21 @@ def test_create_from_a_blob_path_references_it_without_copying(store, tmp_path):
     assert f"using existing layer sha256:{blob.name[7:]}" in [e["status"] for e in events]
     assert store.resolve("b").gguf_path == blob
     assert len(sorted(store.blobs_dir.iterdir())) == len(before)  # the config blob is shared too
+
+
+@pytest.mark.parametrize("quantize,file_type", [("q8_0", "Q8_0"), ("q4_K_M", "Q4_K_M")])
+def test_create_from_checkpoint_with_quantize(store, tmp_path, quantize, file_type):
+    create(store, "tiny-q", f"FROM {FIXTURES / 'tiny-a'}\n", tmp_path, quantize=quantize)
+    model = store.resolve("tiny-q")
+    assert model.config["file_type"] == file_type
+    assert read_gguf_info(model.gguf_path).file_type == file_type
+
+
+def test_create_from_converted_fixture_gguf(store, tmp_path, gguf_path):
+    gguf = gguf_path("tiny-a", "f32")
+    create(store, "tiny-a-f32", f"FROM {gguf}\n", tmp_path)
+    model = store.resolve("tiny-a-f32")
+    info = read_gguf_info(model.gguf_path)
+    assert model.gguf_path.read_bytes() == gguf.read_bytes()
+    assert model.config["file_type"] == "F32" and model.config["model_type"] == human_number(info.parameter_count)
+    assert info.metadata["diffusion.canvas_length"] > 0
