@@ -162,7 +162,7 @@ bool dg_gguf_check(const uint8_t *data, size_t size, char *err, size_t err_len) 
     // smallest possible entries: key = 8-byte length + 1 char + 4-byte type + 1-byte value;
     // tensor info = 8-byte length + 1 char + 4 n_dims + 8 ne + 4 type + 8 offset
     if (n_kv > remaining(&c) / 14 || n_tensors > remaining(&c) / 33) {
-        dg_set_err(err, err_len, "invalid GGUF: %llu keys / %llu tensors cannot fit in a %zu-byte file",
+        dg_set_err(err, err_len, "truncated or invalid GGUF: %llu keys / %llu tensors cannot fit in a %zu-byte file",
                    (unsigned long long)n_kv, (unsigned long long)n_tensors, size);
         return false;
     }
@@ -276,6 +276,24 @@ bool dg_gguf_check(const uint8_t *data, size_t size, char *err, size_t err_len) 
                        name_z, (unsigned long long)offsets[i], (unsigned long long)nbytes[i]);
             goto done;
         }
+    }
+    // ggml's reader requires the data packed in tensor order, each padded to the alignment; say so clearly
+    uint64_t expected = 0;
+    for (uint64_t i = 0; i < n_tensors; i++) {
+        if (offsets[i] != expected) {
+            char name_z[MAX_NAME_BYTES + 1];
+            memcpy(name_z, names[i].s, names[i].len);
+            name_z[names[i].len] = 0;
+            dg_set_err(err, err_len, "invalid GGUF: tensor '%s' data offset %llu, expected %llu (sizes and offsets disagree)",
+                       name_z, (unsigned long long)offsets[i], (unsigned long long)expected);
+            goto done;
+        }
+        uint64_t padded = nbytes[i] + (alignment - nbytes[i] % alignment) % alignment;
+        if (padded > size) {
+            dg_set_err(err, err_len, "invalid GGUF: tensor data larger than the file");
+            goto done;
+        }
+        expected += padded;
     }
     qsort(names, n_tensors, sizeof(name_ref), cmp_name);
     for (uint64_t i = 1; i < n_tensors; i++) {
