@@ -235,6 +235,8 @@ def to_float32(raw: bytes, dtype: str) -> np.ndarray:
         return np.frombuffer(raw, dtype="<f4").astype(np.float32, copy=True)
     if dtype == "F16":
         return np.frombuffer(raw, dtype="<f2").astype(np.float32)
-    if dtype == "BF16":
-        return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    if dtype == "BF16":  # place each bf16 in the high half of a zeroed little-endian uint32: one strided copy
+        bits = np.zeros(len(raw) // 2, dtype="<u4")
+        bits.view("<u2")[1::2] = np.frombuffer(raw, dtype="<u2")
+        return bits.view("<f4")
     raise ConvertError(f"cannot convert dtype {dtype} to float32")
