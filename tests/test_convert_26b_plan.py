@@ -87,3 +87,18 @@ def test_q4_k_m_per_tensor_choices(released_dir):
     assert all(types[f"blk.{i}.ffn_down_exps.weight"] == T.Q8_0 for i in q8_down)
     assert types["self_cond_down.weight"] == T.Q5_0
     assert all(t == T.F32 for n, t in types.items() if n.endswith("ffn_gate_inp.weight"))
+
+
+def test_form_b_with_zero_padded_layer_keys_gives_the_same_plan(released_dir, tmp_path):
+    """Form B (per_layer_config, keys "05", "11", ...) describes the same model as the released form A."""
+    text = {k: v for k, v in RELEASED_TEXT.items() if k not in ("global_head_dim", "num_global_key_value_heads")}
+    text["per_layer_config"] = {f"{i:02d}": {"head_dim": 512, "num_key_value_heads": 2} for i in (5, 11, 17, 23, 29)}
+    form_b = tmp_path / released_dir.name
+    form_b.mkdir()
+    (form_b / "config.json").write_text(json.dumps({**RELEASED, "text_config": text}))
+    for f in released_dir.iterdir():
+        if f.name != "config.json":
+            (form_b / f.name).symlink_to(f)
+    a, b = plan(released_dir, "q4_k_m"), plan(form_b, "q4_k_m")
+    assert a.metadata == b.metadata
+    assert a.tensors == b.tensors

@@ -102,3 +102,17 @@ def test_tokenizer_keys(gguf_path, name):
             assert types[i] == 1, t  # NORMAL
     assert set(kv["tokenizer.ggml.scores"]) == {-1000.0}
     assert kv["tokenizer.ggml.add_bos_token"] is True and kv["tokenizer.ggml.add_space_prefix"] is False
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_sampler_keys_come_from_generation_config(gguf_path, name):
+    from spec_layout import read_gguf
+
+    gen = json.loads((FIXTURES / name / "generation_config.json").read_text())
+    kv, _, _ = read_gguf(gguf_path(name, "f32"))
+    assert kv["diffusion.eb_max_steps"] == gen["max_denoising_steps"]
+    assert kv["diffusion.eb_stability_threshold"] == gen["stability_threshold"]
+    for key, value in (("t_min", gen["t_min"]), ("t_max", gen["t_max"]),
+                       ("entropy_bound", gen["sampler_config"]["entropy_bound"]),
+                       ("confidence_threshold", gen["confidence_threshold"])):
+        assert kv[f"diffusion.eb_{key}"] == pytest.approx(value, rel=1e-7)  # stored as float32
