@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.live import Live
+from rich.text import Text
 
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gguf_check import ArraySummary, GGUFInfo, read_gguf_info
@@ -105,38 +108,102 @@ def parameters_text(params: dict[str, Any]) -> str:
 
 # ---- progress ----------------------------------------------------------------------------------------------------
 
-class ProgressRenderer:
-    """Ollama-like progress on stderr: one bar per digest, plain status lines for everything else."""
+def remaining_text(seconds: float) -> str:
+    """Time left as Ollama prints it: `45s`, `2m3s`, `1h5m`, `99h+`."""
+    s = int(round(seconds))
+    if s >= 100 * 3600:
+        return "99h+"
+    h, m, sec = s // 3600, s % 3600 // 60, s % 60
+    if h:
+        return f"{h}h{m}m"
+    return f"{m}m{sec}s" if m else f"{sec}s"
 
-    def __init__(self) -> None:
-        self.console = Console(stderr=True)
-        self.progress = Progress(
-            TextColumn("{task.description}"), TextColumn("{task.percentage:>3.0f}%"),
-            BarColumn(bar_width=None), DownloadColumn(binary_units=False), TransferSpeedColumn(), TimeRemainingColumn(),
-            console=self.console, transient=False,
-        )
-        self.tasks: dict[str, TaskID] = {}
-        self.last_status: str | None = None
+
+@dataclass
+class _Bar:
+    label: str
+    total: int
+    completed: int = 0
+    samples: deque = field(default_factory=lambda: deque(maxlen=50))  # (time, completed) for the rate
+
+    def rate(self) -> float:
+        if len(self.samples) < 2:
+            return 0.0
+        (t0, c0), (t1, c1) = self.samples[0], self.samples[-1]
+        return (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def bar_line(label: str, completed: int, total: int, rate: float, width: int) -> str:
+    """`pulling 8eeb52dfb3bb:  45% ▕███████         ▏ 2.1 GB/4.7 GB   12 MB/s   2m3s`, fitted to `width`."""
+    pct = min(100, int(100 * completed / total)) if total else 100
+    if completed >= total:
+        stats = human_bytes(total)
+    else:
+        stats = f"{human_bytes(completed)}/{human_bytes(total)}"
+        if rate > 0:
+            stats += f"  {human_bytes(int(rate))}/s  {remaining_text((total - completed) / rate)}"
+    left = f"{label}: {pct:3d}% "
+    bar_width = max(10, width - len(left) - len(stats) - 3)
+    filled = bar_width * pct // 100
+    return f"{left}▕{'█' * filled}{' ' * (bar_width - filled)}▏ {stats}"
+
+
+class ProgressRenderer:
+    """Ollama-like progress on stderr: one bar per digest and plain status lines, redrawn in place on a terminal.
+    Elsewhere (logs, pipes) each status line, and each bar once complete, is printed once, whole."""
+
+    SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True, highlight=False)
+        self.lines: list[str | _Bar] = []
+        self.bars: dict[str, _Bar] = {}
+        self.frame = 0
+        self.live = Live(console=self.console, refresh_per_second=8, transient=False, get_renderable=self.render)
+
+    def render(self) -> Text:
+        self.frame += 1
+        width = self.console.width
+        out = []
+        for i, line in enumerate(self.lines):
+            if isinstance(line, _Bar):
+                out.append(bar_line(line.label, line.completed, line.total, line.rate(), width))
+            elif i == len(self.lines) - 1 and line != "success" and self.live.is_started and self.console.is_terminal:
+                out.append(f"{line} {self.SPINNER[self.frame % len(self.SPINNER)]}")
+            else:
+                out.append(line)
+        return Text("\n".join(out), overflow="fold")
 
     def __enter__(self) -> "ProgressRenderer":
-        self.progress.start()
+        if self.console.is_terminal:
+            self.live.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.progress.stop()
+        if self.live.is_started:
+            self.live.stop()
+
+    def _log(self, line: str) -> None:
+        if not self.console.is_terminal:
+            print(line, file=self.console.file, flush=True)
 
     def update(self, event: dict[str, Any]) -> None:
         digest, status = event.get("digest"), event.get("status", "")
         if digest and event.get("total") is not None:
             completed = event.get("completed", 0)
-            if digest not in self.tasks:
+            bar = self.bars.get(digest)
+            if bar is None:
                 if not completed:
                     return  # Ollama does not draw a layer's first `completed: 0` update
-                self.tasks[digest] = self.progress.add_task(f"{status}:", total=event["total"])
-            self.progress.update(self.tasks[digest], completed=completed)
-        elif status and status != self.last_status:
-            self.last_status = status
-            self.progress.console.print(status, highlight=False, soft_wrap=True)
+                bar = self.bars[digest] = _Bar(status, event["total"])
+                self.lines.append(bar)
+            if completed >= bar.total > bar.completed or completed == bar.total == 0:
+                self._log(bar_line(bar.label, completed, bar.total, 0.0, 80))
+            bar.completed = completed
+            bar.samples.append((time.monotonic(), completed))
+        elif status and (not self.lines or self.lines[-1] != status):
+            self.lines.append(status)
+            self._log(status)
 
     def run(self, events: Iterable[dict[str, Any]]) -> None:
         with self:

@@ -216,3 +216,36 @@ def test_cli_pull_through_mirror(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stderr.splitlines()[0] == "pulling manifest" and "success" in r.stderr
     assert json.loads((tmp_path / "store/manifests/hf.co/unsloth/tiny-GGUF/Q4_K_M").read_bytes())["layers"][0]["size"] == len(blob)
+
+
+# ---- progress rendering --------------------------------------------------------------------------------------------
+
+def test_bar_line_and_remaining_time():
+    from dgemma_cli.cmd_store import bar_line, remaining_text
+
+    line = bar_line("pulling 8eeb52dfb3bb", 2_115_000_000, 4_700_000_000, 12_000_000, 100)
+    assert line.startswith("pulling 8eeb52dfb3bb:  45% ▕") and line.endswith("▏ 2.1 GB/4.7 GB  12 MB/s  3m35s")
+    assert len(line) == 100 and line.count("█") == (100 - len("pulling 8eeb52dfb3bb:  45% ") - len("2.1 GB/4.7 GB  12 MB/s  3m35s") - 3) * 45 // 100
+    done = bar_line("pulling x", 5, 5, 0, 40)
+    assert done.startswith("pulling x: 100% ▕█") and done.endswith("█▏ 5 B")
+    assert [remaining_text(s) for s in (45, 123, 3900, 10**7)] == ["45s", "2m3s", "1h5m", "99h+"]
+
+
+def test_progress_renderer_terminal_frame():
+    import io
+
+    from rich.console import Console
+
+    from dgemma_cli.cmd_store import ProgressRenderer
+
+    console = Console(file=io.StringIO(), force_terminal=True, width=90)
+    r = ProgressRenderer(console)
+    d = "sha256:" + "8eeb52dfb3bb" + "0" * 52
+    for event in [{"status": "pulling manifest"}, {"status": "pulling 8eeb52dfb3bb", "digest": d, "total": 1000},
+                  {"status": "pulling 8eeb52dfb3bb", "digest": d, "total": 1000, "completed": 500},
+                  {"status": "verifying sha256 digest"}]:
+        r.update(event)
+    lines = r.render().plain.splitlines()
+    assert lines[0] == "pulling manifest"
+    assert lines[1].startswith("pulling 8eeb52dfb3bb:  50% ▕") and "500 B/1 KB" in lines[1]
+    assert lines[2] == "verifying sha256 digest" and len(lines) == 3  # no spinner before the live display starts
