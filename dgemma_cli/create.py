@@ -12,8 +12,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gguf_check import GGUFError, GGUFInfo, read_gguf_info
@@ -145,17 +146,55 @@ def _validated_gguf(path: Path) -> GGUFInfo:
     return info
 
 
-def _requantize(src: Path, dst: Path, quantize: str) -> None:
-    """GGUF -> GGUF with the converter's quantizer, when it provides one."""
-    try:
-        from dgemma_convert import converter
-    except ImportError:
-        converter = None
-    fn = getattr(converter, "requantize", None)
-    if fn is None:
-        raise CreateError("quantizing an existing GGUF is not supported by this converter yet; "
-                          "create from the Hugging Face checkpoint folder with --quantize instead")
-    fn(src, dst, quantize)
+class _ByteCounter:
+    """A dgemma_convert ProgressSink that only counts bytes (read from the create generator's thread)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.completed = 0
+
+    def start(self, n_tensors: int, total_bytes: int) -> None:
+        self.total = total_bytes
+
+    def tensor(self, index: int, name: str) -> None:
+        pass
+
+    def advance(self, nbytes: int) -> None:
+        self.completed += nbytes
+
+    def stop(self) -> None:
+        pass
+
+
+PROGRESS_DIGEST = "0000000000000000000"  # what Ollama puts in `digest` for quantization progress
+
+
+def _converter_step(status: str, work: Callable[[_ByteCounter], None], hide: dict[str, str]) -> Iterator[dict[str, Any]]:
+    """Run a converter call in a worker thread and yield progress objects until it ends.
+
+    Converter errors become CreateError with local paths replaced by plain names (no path leaks, §8 C)."""
+    counter, failure = _ByteCounter(), []
+
+    def run() -> None:
+        try:
+            work(counter)
+        except BaseException as exc:  # noqa: BLE001 (re-raised in the caller's thread)
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="dgemma-create-convert", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+        if counter.total:
+            yield {"status": status, "digest": PROGRESS_DIGEST, "total": counter.total, "completed": counter.completed}
+    if failure:
+        exc = failure[0]
+        if isinstance(exc, DgemmaError):
+            raise exc
+        message = str(exc)
+        for path, name in hide.items():
+            message = message.replace(path, name)
+        raise CreateError(f"{status} failed: {message}") from None
 
 
 # ---- create --------------------------------------------------------------------------------------------------------
@@ -225,7 +264,12 @@ def create_model(name: ModelName | str, modelfile: Modelfile, store: Store, base
                     from dgemma_convert import convert
 
                     gguf = work / "converted.gguf"
-                    convert(local, gguf, (quantize or "bf16").lower(), threads=2)
+                    outtype = (quantize or "bf16").lower()
+                    yield from _converter_step(
+                        "converting model",
+                        lambda sink: convert(local, gguf, outtype, threads=2, progress=sink),
+                        {str(gguf): gguf.name, str(local): local.name, str(work): "."},
+                    )
                     quant = None  # already written in the requested type
                 else:
                     gguf = _gguf_in_folder(local)
@@ -234,9 +278,16 @@ def create_model(name: ModelName | str, modelfile: Modelfile, store: Store, base
             if quant is not None:
                 if info.file_type not in FLOAT_FILE_TYPES:
                     raise CreateError("quantization is only supported from F32, F16 or BF16 models")
-                yield {"status": f"quantizing {info.file_type} model to {quant}"}
-                out = work / "quantized.gguf"
-                _requantize(gguf, out, quant)
+                from dgemma_convert import requantize
+
+                status = f"quantizing {info.file_type} model to {quant}"
+                yield {"status": status}
+                out, src = work / "quantized.gguf", gguf
+                yield from _converter_step(
+                    status,
+                    lambda sink: requantize(src, out, quant.lower(), threads=2, progress=sink),
+                    {str(out): out.name, str(src): src.name, str(work): "."},
+                )
                 gguf, info = out, _validated_gguf(out)
             layer, status = _import_layer(store, gguf, MEDIA_MODEL, local.name)
             layers.append(layer)
@@ -294,6 +345,9 @@ def create_model(name: ModelName | str, modelfile: Modelfile, store: Store, base
             config["template_format"] = template_format(template)
         if modelfile.requires:
             config["requires"] = modelfile.requires
+        for key in ("renderer", "parser"):  # kept for Ollama Modelfiles; dgemma ignores them at inference
+            if key in modelfile.extras:
+                config[key] = modelfile.extras[key]
         config_bytes = canonical_json(config)
         config_digest, config_size = store.write_blob(config_bytes)
 

@@ -196,3 +196,24 @@ def test_create_from_converted_fixture_gguf(store, tmp_path, gguf_path):
     assert model.gguf_path.read_bytes() == gguf.read_bytes()
     assert model.config["file_type"] == "F32" and model.config["model_type"] == human_number(info.parameter_count)
     assert info.metadata["diffusion.canvas_length"] > 0
+
+
+def test_create_quantizes_a_float_gguf(store, tmp_path, gguf_path):
+    events = create(store, "tiny-q8", f"FROM {gguf_path('tiny-a', 'f32')}\n", tmp_path, quantize="q8_0")
+    progress = [e for e in events if e.get("total")]
+    assert {"status": "quantizing F32 model to Q8_0"} in events
+    assert progress and progress[-1]["status"] == "quantizing F32 model to Q8_0"
+    assert [e["completed"] for e in progress] == sorted(e["completed"] for e in progress)
+    model = store.resolve("tiny-q8")
+    assert model.config["file_type"] == "Q8_0" and read_gguf_info(model.gguf_path).file_type == "Q8_0"
+
+
+def test_converter_failure_is_a_clean_create_error(store, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors").write_bytes(b"\0" * 16)
+    with pytest.raises(DgemmaError) as exc:
+        create(store, "broken", "FROM ./ckpt\n", tmp_path)
+    assert str(exc.value).startswith("converting model failed: ")
+    assert str(tmp_path) not in str(exc.value) and not store.list_models()
