@@ -114,8 +114,9 @@ static bool encode_chunk(dg_context *c, const int32_t *ids, int n, char *err, si
     ggml_set_input(ids_t);
     ggml_set_input(pos_t);
 
+    // masks only for layer kinds whose attention runs (the last layer stores K/V only)
     int sliding_layer = -1, full_layer = -1;
-    for (int il = 0; il < m->hp.n_layer; il++) {
+    for (int il = 0; il < m->hp.n_layer - 1; il++) {
         if (m->layers[il].sliding && sliding_layer < 0) sliding_layer = il;
         if (!m->layers[il].sliding && full_layer < 0) full_layer = il;
     }
@@ -128,6 +129,7 @@ static bool encode_chunk(dg_context *c, const int32_t *ids, int n, char *err, si
         mask[kind] = ggml_new_tensor_2d(gctx, GGML_TYPE_F32, spans[kind].len, n);
         ggml_set_input(mask[kind]);
     }
+    for (int il = 0; il < m->hp.n_layer; il++) spans[m->layers[il].sliding] = span_for(m, il, c->n_past, n);
 
     struct ggml_tensor *x = embed(gctx, m, ids_t);
     for (int il = 0; il < m->hp.n_layer; il++) {
