@@ -129,15 +129,11 @@ class FakeRunner:
                     raise RuntimeError("simulated native crash in /secret/path/engine.c")
                 if b.step_delay:
                     time.sleep(b.step_delay)
-                yield StepEvent(canvas, step, sampler.max_steps, ids, 0.5, 1)
+                yield StepEvent(canvas, step + 1, sampler.max_steps, ids, 0.5, 1)  # steps are 1-based
             steps_per_canvas.append(step + 1)
-            text_ids = []
-            for i in ids:
-                if i == EOS:
-                    break
-                text_ids.append(i)
+            text_ids = ids[: ids.index(EOS)] if EOS in ids else ids  # as the contract: ids stop before EOS
             committed += len(text_ids)
-            yield CanvasEvent(canvas, ids, self.detokenize(text_ids), step + 1)
+            yield CanvasEvent(canvas, text_ids, self.detokenize(text_ids), step + 1)
             if EOS in ids:
                 yield DoneEvent("eos", self._stats(prompt_ids, started, steps_per_canvas, committed))
                 return

@@ -112,12 +112,22 @@ def _fix_openapi(app: FastAPI) -> dict[str, Any]:
     schema = get_openapi(title="dgemma", version=__version__, routes=app.routes,
                          description="Ollama- and OpenAI-compatible API for DiffusionGemma")
     error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+
+    def error(description: str) -> dict[str, Any]:
+        return {"description": description, "content": {"application/json": {"schema": error_ref}}}
+
     for path, operations in schema.get("paths", {}).items():
-        for operation in operations.values():
-            responses = operation.get("responses", {})
+        for method, operation in operations.items():
+            responses = operation.setdefault("responses", {})
             had_validation = responses.pop("422", None) is not None
             if had_validation and "400" not in responses:
-                responses["400"] = {"description": "invalid request", "content": {"application/json": {"schema": error_ref}}}
+                responses["400"] = error("invalid request")
+            # Answered by the middleware on any route (§8 F, G): API key, Host/Origin or read-only refusal, body cap.
+            if path != "/":
+                responses.setdefault("401", error("DGEMMA_API_KEY is set and the bearer token is missing or wrong"))
+            responses.setdefault("403", {"description": "Host or Origin not allowed (empty body), or read-only mode"})
+            if method in ("post", "put", "patch", "delete"):
+                responses.setdefault("413", error("request body too large"))
     components = schema.get("components", {}).get("schemas", {})
     components.pop("HTTPValidationError", None)
     components.pop("ValidationError", None)

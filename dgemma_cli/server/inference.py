@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import SamplerSettings
-from dgemma_cli.server.runner import STOP_TOKEN_IDS, Runner
+from dgemma_cli.server.runner import Runner
 
 THOUGHT_OPEN = "<|channel>thought"
 THOUGHT_CLOSE = "<channel|>"
@@ -195,13 +195,6 @@ def _tokens_covering(runner: Runner, ids: list[int], n_chars: int) -> int:
     return low
 
 
-def _until_stop_token(ids: list[int]) -> list[int]:
-    for i, token in enumerate(ids):
-        if token in STOP_TOKEN_IDS:
-            return ids[:i]
-    return ids
-
-
 def run_generation(
     runner: Runner,
     plan: Plan,
@@ -233,11 +226,11 @@ def run_generation(
                 first_step_at = first_step_at or time.perf_counter()
                 if sampler.progress:
                     preview = runner.detokenize(list(event.argmax_ids)) if sampler.preview else None
-                    yield Progress(int(event.step) + 1, int(event.max_steps), int(event.canvas_index) + 1, preview)
+                    yield Progress(int(event.step), int(event.max_steps), int(event.canvas_index) + 1, preview)
             elif kind == "canvas":
                 canvases += 1
                 last_commit_at = time.perf_counter()
-                ids = _until_stop_token(list(event.ids))
+                ids = list(event.ids)  # committed tokens, already cut before the first EOS
                 text = event.text
                 cut = plan.token_limit is not None and len(answer_ids) + len(ids) >= plan.token_limit
                 if cut:

@@ -12,7 +12,6 @@ from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import SamplerSettings
 
 ARCHITECTURE = "diffusion-gemma"
-STOP_TOKEN_IDS = (1, 106, 50)  # <eos>, <turn|>, <|tool_response>: the reference generation config's stop set
 
 
 class Runner(Protocol):
@@ -89,7 +88,7 @@ class EngineRunner:
     def generate(
         self, prompt_ids: list[int], sampler: SamplerSettings, max_new_tokens: int, cancel: threading.Event
     ) -> Iterator[Any]:
-        from dgemma_engine.generate import SamplerParams, generate
+        from dgemma_engine.generate import SamplerParams, eos_ids_from_metadata, generate
 
         params = SamplerParams.from_metadata(
             self.metadata,
@@ -104,7 +103,7 @@ class EngineRunner:
         self.ctx.reset()
         yield from generate(
             self.ctx, prompt_ids, params, max_new_tokens=max_new_tokens,
-            eos_ids=STOP_TOKEN_IDS,
+            eos_ids=eos_ids_from_metadata(self.metadata),
             tokenizer=self.tokenizer,
             cancel=cancel,
 
