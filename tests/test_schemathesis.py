@@ -20,7 +20,7 @@ from schemathesis.specs.openapi.checks import (
 from dgemma_cli.store import Store
 from server_harness import ServeProcess, add_model, write_small_gguf
 
-EXAMPLES_PER_OPERATION = 8
+EXAMPLES_PER_OPERATION = 6
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 
