@@ -16,6 +16,7 @@ byte fallback for characters outside the vocabulary, no GPT-2 byte remapping.
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -92,6 +93,28 @@ def generate_corpus(seed: int = 1234, n_lines: int = 3000) -> list[str]:
     return lines
 
 
+_ONSETS = "b c d f g h j k l m n p r s t v w z br ch cl dr fl gr pl pr sh st th tr".split()
+_NUCLEI = "a e i o u ai ea ee ie oo ou y".split()
+_CODAS = ["", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ng", "ck", "x"]
+
+
+def generate_large_corpus(seed: int, n_words: int, n_lines: int) -> list[str]:
+    """The small corpus plus Zipf-distributed pseudo-words: enough distinct pairs for a vocabulary of ~10^4-10^5."""
+    rng = random.Random(seed)
+
+    def pseudo_word() -> str:
+        return "".join(rng.choice(_ONSETS) + rng.choice(_NUCLEI) + rng.choice(_CODAS)
+                       for _ in range(rng.randint(1, 4)))
+
+    lexicon = [pseudo_word() for _ in range(n_words)]
+    cum_weights = list(itertools.accumulate(1.0 / (rank + 1) for rank in range(n_words)))
+    lines = generate_corpus(seed)
+    for _ in range(n_lines):
+        words = rng.choices(lexicon, cum_weights=cum_weights, k=rng.randint(5, 20))
+        lines.append(" ".join(w.capitalize() if rng.random() < 0.1 else w for w in words) + rng.choice(".,?!;:"))
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -138,7 +161,11 @@ def json_model(tok) -> dict:
 
 def train_gemma_tokenizer(vocab_size: int, image_ids: ImageTokenIds, chat_template: str | None = None,
                           corpus_seed: int = 1234):
-    """Build a transformers `GemmaTokenizer` whose vocabulary has exactly `vocab_size` entries."""
+    """Build a transformers `GemmaTokenizer` whose vocabulary has exactly `vocab_size` entries.
+
+    Vocabularies up to 1024 train on the small mixed corpus; larger ones add pseudo-words so the trainer finds
+    enough merges.
+    """
     from tokenizers import AddedToken
     from transformers import GemmaTokenizer
 
@@ -149,7 +176,11 @@ def train_gemma_tokenizer(vocab_size: int, image_ids: ImageTokenIds, chat_templa
     byte_ids, bpe_ids = free_ids[: len(BYTE_TOKENS)], free_ids[len(BYTE_TOKENS):]
 
     # The trainer's vocabulary includes "\n", which goes to its fixed id 107; all other tokens fill bpe_ids.
-    trained, merges = _train_bpe(generate_corpus(corpus_seed), len(bpe_ids) + 1)
+    if vocab_size <= 1024:
+        corpus = generate_corpus(corpus_seed)
+    else:
+        corpus = generate_large_corpus(corpus_seed, n_words=vocab_size, n_lines=4 * vocab_size)
+    trained, merges = _train_bpe(corpus, len(bpe_ids) + 1)
     vocab: dict[str, int] = {token: token_id for token_id, token in reserved.items()}
     vocab.update(zip(BYTE_TOKENS, byte_ids))
     vocab["\n"] = NEWLINE_ID
