@@ -168,9 +168,15 @@ def _headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def server_answers(base_url: str) -> bool:
+def _http_client(base_url: str) -> httpx.Client:
+    # Certificate loading costs a noticeable fraction of a CLI start; plain-http servers do not need it.
+    return httpx.Client(base_url=base_url, headers=_headers(), timeout=CALL_TIMEOUT,
+                        verify=base_url.startswith("https://"))
+
+
+def server_answers(http: httpx.Client) -> bool:
     try:
-        return httpx.head(base_url + "/", timeout=PROBE_TIMEOUT_S, headers=_headers()).status_code == 200
+        return http.head("/", timeout=PROBE_TIMEOUT_S).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -183,15 +189,17 @@ def connect(say: Any = None) -> Iterator[Client]:
     """
     base_url = client_base_url()
     local = None
-    if not server_answers(base_url):
+    http = _http_client(base_url)
+    if not server_answers(http):
+        http.close()
         local = LocalServer()
         local.start()
         if say:
             say(f"no dgemma server at {base_url}; started one in-process at {local.url}")
         base_url = local.url
+        http = _http_client(base_url)
     elif say:
         say(f"using the dgemma server at {base_url}")
-    http = httpx.Client(base_url=base_url, headers=_headers(), timeout=CALL_TIMEOUT)
     try:
         yield Client(base_url, http, local)
     finally:

@@ -1,0 +1,182 @@
+"""`dgemma run`, `ps`, `stop` as subprocesses against a server with a scripted runner (fast, deterministic): one-shot
+with arguments and piped stdin, `--verbose` labels, auto-pull, and every error path as one `Error: ...` line."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from registry_server import FakeRegistry
+from run_helpers import TIMING_LABELS, FakeBehaviour, FakeSetup, InProcessServer, fake_factory, make_store, run_cli
+from server_harness import write_small_gguf
+
+ANSWER = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from dgemma_cli.server.config import ServerConfig
+    from dgemma_cli.store import MEDIA_MODEL
+
+    root = tmp_path_factory.mktemp("run-store")
+    store = make_store(root / "models")
+    behaviour = FakeBehaviour(answer=ANSWER, step_delay=0.002)  # timings well above 1 ms
+    config = ServerConfig.from_env({"DGEMMA_MODELS": str(root / "models")})
+    with FakeRegistry() as registry, pytest.MonkeyPatch.context() as patch:
+        # The pull runs inside the server, in this process: point the default registry at the fake one.
+        patch.setenv("DGEMMA_REGISTRY_MIRRORS", f"registry.ollama.ai={registry.url}")
+        patch.setenv("DGEMMA_REGISTRY_ALLOW", registry.host)
+        gguf = write_small_gguf(root / "pullable.gguf").read_bytes()
+        registry.add_model("library/pullable:latest", [(MEDIA_MODEL, gguf)],
+                           config={"model_format": "gguf", "model_family": "diffusion-gemma"})
+        with InProcessServer(config, store, fake_factory(behaviour)) as server:
+            yield FakeSetup(server, behaviour, root / "models", root, registry.url)
+
+
+def assert_one_line_error(result, text: str) -> None:
+    assert result.returncode == 1, result
+    assert result.stderr.strip().splitlines() == [f"Error: {text}"], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_one_shot_prompt_arguments(setup):
+    before = setup.behaviour.generations
+    result = run_cli(["run", "tiny", "say", "the", "sentence"], setup.env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ANSWER + "\n"  # not a terminal: no spinner, no colours, no wrapping
+    assert result.stderr == ""
+    assert setup.behaviour.generations == before + 1
+    assert setup.behaviour.last_prompt[-1] == "<user>say the sentence<assistant>"
+
+
+def test_one_shot_piped_stdin_is_prepended(setup):
+    result = run_cli(["run", "tiny", "and", "arguments"], setup.env(), stdin="text from stdin\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ANSWER + "\n"
+    assert setup.behaviour.last_prompt[-1] == "<user>text from stdin and arguments<assistant>"
+
+
+def test_piped_stdin_alone_runs_non_interactively(setup):
+    result = run_cli(["run", "tiny"], setup.env(), stdin="only stdin")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ANSWER + "\n"
+    assert setup.behaviour.last_prompt[-1] == "<user>only stdin<assistant>"
+
+
+def test_empty_prompt_only_loads(setup):
+    before = setup.behaviour.generations
+    result = run_cli(["run", "tiny", ""], setup.env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    assert setup.behaviour.generations == before
+
+
+def test_sampler_flags_reach_the_sampler(setup):
+    result = run_cli(["run", "tiny", "hi", "--steps", "7", "--t-max", "0.9", "--t-min", "0.3", "--entropy-bound", "0.2",
+                      "--confidence-threshold", "0.01", "--stability-threshold", "2", "--seed", "5"], setup.env())
+    assert result.returncode == 0, result.stderr
+    sampler = setup.behaviour.last_sampler[-1]
+    assert (sampler.max_steps, sampler.t_max, sampler.t_min, sampler.entropy_bound, sampler.confidence_threshold,
+            sampler.stability_threshold, sampler.seed) == (7, 0.9, 0.3, 0.2, 0.01, 2, 5)
+
+
+def test_verbose_prints_ollama_timing_block(setup):
+    result = run_cli(["run", "tiny", "hi", "--verbose"], setup.env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ANSWER + "\n"
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[0] == f"using the dgemma server at http://127.0.0.1:{setup.server.port}"
+    block = lines[1:]
+    labels = [line[:22].rstrip().rstrip(":") for line in block]
+    assert labels == [label for label in TIMING_LABELS if label in labels]  # Ollama's order
+    assert set(TIMING_LABELS) - set(labels) <= {"load duration"}  # zero values are omitted: the model was resident
+    for line in block:
+        assert line[21] == " " and line[22] != " ", line  # values start at column 23
+    values = {line[:22].rstrip().rstrip(":"): line[22:] for line in block}
+    assert re.fullmatch(r"[0-9.]+(ns|µs|ms|s)|[0-9]+m[0-9.]+s", values["total duration"])
+    assert values["eval count"] == f"{len(ANSWER)} token(s)"
+    assert re.fullmatch(r"\d+\.\d\d tokens/s", values["eval rate"])
+    canvases = -(-(len(ANSWER) + 1) // setup.behaviour.canvas_length)  # answer + EOS in 8-token canvases
+    assert values["canvases"] == str(canvases)
+    assert values["denoise steps"] == str(canvases * setup.behaviour.steps)
+    assert values["steps per canvas"] == f"{setup.behaviour.steps:.2f}"
+    assert re.fullmatch(r"\d+\.\d\d steps/s", values["denoise rate"])
+
+
+def test_think_flag_values(setup):
+    result = run_cli(["run", "tiny", "--think", "hello"], setup.env())  # bare --think: `hello` stays the prompt
+    assert result.returncode == 0, result.stderr
+    assert setup.behaviour.last_prompt[-1] == "<user>hello<think><assistant>"
+    assert_one_line_error(run_cli(["run", "tiny", "--think=maybe", "hi"], setup.env()),
+                          'invalid value for --think: "maybe" (must be true, false, high, medium, low, or max)')
+
+
+def test_auto_pull_then_run(setup):
+    result = run_cli(["run", "pullable", "hi"], setup.env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ANSWER + "\n"
+    assert "pulling manifest" in result.stderr and "success" in result.stderr
+
+
+def test_error_unknown_model(setup):
+    """As `ollama run`: not in the store, so it is pulled, and the registry does not know it."""
+    result = run_cli(["run", "no-such-model", "hi"], setup.env())
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == ["pulling manifest", "Error: pull model manifest: file does not exist"]
+    assert result.stdout == ""
+
+
+def test_error_not_a_diffusion_model(setup):
+    assert_one_line_error(run_cli(["run", "llama3", "hi"], setup.env()),
+                          'model architecture "llama" is not supported by dgemma')
+
+
+def test_error_unreadable_gguf(setup):
+    result = run_cli(["run", "broken", "hi"], setup.env())
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("Error: ") and "gguf" in line.lower(), line
+    assert str(setup.store_dir) not in line  # no server paths leak
+
+
+def test_error_prompt_longer_than_context(setup):
+    prompt = "a prompt that does not fit"
+    result = run_cli(["run", "small-ctx", prompt], setup.env())
+    tokens = len(f"<user>{prompt}<assistant>")  # the fake runner: one token per character of its template
+    assert_one_line_error(result, f"prompt ({tokens} tokens) leaves no room for a diffusion canvas (8 tokens) within the "
+                                  "context window (16 tokens)")
+
+
+def test_error_invalid_model_name(setup):
+    assert_one_line_error(run_cli(["run", "bad..//name", "hi"], setup.env()), "invalid model name")
+
+
+def test_error_server_rejects_option(setup):
+    assert_one_line_error(run_cli(["run", "tiny", "hi", "--steps", "0"], setup.env()),
+                          "invalid value for diffusion_steps: 0 (must be between 1 and 256)")
+
+
+def test_ps_and_stop(setup):
+    assert run_cli(["run", "tiny", ""], setup.env()).returncode == 0
+    result = run_cli(["ps"], setup.env())
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.splitlines()
+    assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
+    assert any(row.startswith("tiny:latest ") and "100% CPU" in row and "from now" in row for row in rows), rows
+    assert run_cli(["stop", "tiny"], setup.env()).returncode == 0
+    assert_one_line_error(run_cli(["stop", "no-such-model"], setup.env()), 'couldn\'t find model "no-such-model" to stop')
+
+
+def test_no_server_starts_one_in_process(setup, tmp_path):
+    """Nothing listens at DGEMMA_HOST: the command serves the store itself and exits (no daemon left behind)."""
+    from server_harness import free_port
+
+    env = setup.env(DGEMMA_HOST=f"127.0.0.1:{free_port()}")
+    result = run_cli(["ps"], env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
+    result = run_cli(["run", "llama3", "hi", "--verbose"], env)
+    assert result.returncode == 1
+    first, error = result.stderr.strip().splitlines()
+    assert first.startswith("no dgemma server at http://127.0.0.1:") and "started one in-process" in first
+    assert error == 'Error: model architecture "llama" is not supported by dgemma'
