@@ -178,10 +178,10 @@ def write_small_gguf(path: Path, arch: str = "diffusion-gemma", chat_template: s
 
 
 def add_model(store, name: str, gguf: Path, parameters: dict | None = None, system: str | None = None,
-              family: str = "diffusion-gemma") -> None:
+              family: str = "diffusion-gemma", template: str | None = None) -> None:
     """Register `gguf` under `name` directly through the store API (no create pipeline needed)."""
-    from dgemma_cli.store import (CONFIG_MEDIA_TYPE, MEDIA_MODEL, MEDIA_PARAMS, MEDIA_SYSTEM, Layer, build_manifest,
-                                  canonical_json)
+    from dgemma_cli.store import (CONFIG_MEDIA_TYPE, MEDIA_MODEL, MEDIA_PARAMS, MEDIA_SYSTEM, MEDIA_TEMPLATE, Layer,
+                                  build_manifest, canonical_json)
 
     digest, size, _ = store.import_file(gguf)
     layers = [Layer(MEDIA_MODEL, digest, size)]
@@ -189,8 +189,12 @@ def add_model(store, name: str, gguf: Path, parameters: dict | None = None, syst
         layers.append(Layer(MEDIA_PARAMS, *store.write_blob(canonical_json(parameters))))
     if system:
         layers.append(Layer(MEDIA_SYSTEM, *store.write_blob(system.encode())))
+    if template:
+        layers.append(Layer(MEDIA_TEMPLATE, *store.write_blob(template.encode())))
     config = {"model_format": "gguf", "model_family": family, "model_families": [family], "model_type": "136",
               "file_type": "F32", "architecture": "amd64", "os": "linux"}
+    if template:
+        config["template_format"] = "jinja"  # as create marks Jinja templates (spec §4.6)
     config_digest, config_size = store.write_blob(canonical_json(config))
     store.write_manifest(name, build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers))
 

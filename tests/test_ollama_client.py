@@ -1,0 +1,192 @@
+"""The real `ollama` Python client, unchanged, against `dgemma serve` (a subprocess) running the tiny fixture model.
+
+The model gets into the store the way users do it: `create_blob` + `create(files=...)` through the server; `pull`
+goes through the server to the test registry (tests/registry_server.py).
+"""
+import threading
+import time
+
+import ollama
+import pytest
+
+from dgemma_cli.server.config import ServerConfig
+from registry_server import FakeRegistry
+from server_harness import FakeBehaviour, InProcessServer, ServeProcess, fake_factory
+
+FAST = {"diffusion_steps": 4, "seed": 7, "num_predict": 16}
+MEDIA_MODEL = "application/vnd.ollama.image.model"
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(gguf_path):
+    return gguf_path("tiny-a", "f32")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_gguf):
+    root = tmp_path_factory.mktemp("ollama-client")
+    with FakeRegistry() as registry:
+        env = {"DGEMMA_REGISTRY_ALLOW": registry.host, "DGEMMA_NOPRUNE": "1"}
+        with ServeProcess(root / "models", env) as server:
+            client = ollama.Client(host=server.url)
+            digest = client.create_blob(tiny_gguf)
+            statuses = [p.status for p in client.create(model="tiny", files={"tiny-a.gguf": digest}, stream=True)]
+            assert statuses[-1] == "success"
+            yield server, client, registry
+
+
+def test_list_and_show(served):
+    _, client, _ = served
+    names = [m.model for m in client.list().models]
+    assert "tiny:latest" in names
+    listed = next(m for m in client.list().models if m.model == "tiny:latest")
+    assert listed.details.family == "diffusion-gemma" and listed.size > 0 and listed.modified_at is not None
+    show = client.show("tiny")
+    assert show.modelinfo["general.architecture"] == "diffusion-gemma"
+    assert show.modelinfo["diffusion-gemma.context_length"] > 0
+    assert "completion" in show.capabilities and show.template
+
+
+def test_generate_non_streaming_is_deterministic_with_a_seed(served):
+    _, client, _ = served
+    first = client.generate(model="tiny", prompt="Hello", options=FAST)
+    second = client.generate(model="tiny", prompt="Hello", options=FAST)
+    assert first.done and first.done_reason in ("stop", "length")
+    assert first.response == second.response
+    assert 0 <= first.eval_count <= 16 and first.prompt_eval_count > 0 and first.total_duration > 0
+    assert first.context and len(first.context) >= first.prompt_eval_count
+
+
+def test_generate_streaming_matches_non_streaming(served):
+    _, client, _ = served
+    parts = list(client.generate(model="tiny", prompt="Hello", options=FAST, stream=True))
+    assert parts[-1].done and all(not p.done for p in parts[:-1])
+    assert "".join(p.response for p in parts) == client.generate(model="tiny", prompt="Hello", options=FAST).response
+    assert parts[-1].eval_count == client.generate(model="tiny", prompt="Hello", options=FAST).eval_count
+
+
+def test_generate_steps_argument_and_progress(served):
+    _, client, _ = served
+    parts = list(client.generate(model="tiny", prompt="Hi", steps=3, stream=True,
+                                 options={"seed": 1, "num_predict": 16, "diffusion_progress": True}))
+    progress = [p for p in parts if getattr(p, "completed", None) is not None]
+    assert progress and all(p["total"] == 3 and p.response == "" for p in progress)
+
+
+def test_chat_streaming_and_not(served):
+    _, client, _ = served
+    messages = [{"role": "user", "content": "Say hi"}]
+    reply = client.chat(model="tiny", messages=messages, options=FAST)
+    assert reply.message.role == "assistant" and reply.done and isinstance(reply.message.content, str)
+    parts = list(client.chat(model="tiny", messages=messages, options=FAST, stream=True))
+    assert all(p.message.role == "assistant" for p in parts)
+    assert "".join(p.message.content for p in parts) == reply.message.content
+    assert parts[-1].eval_count == reply.eval_count
+
+
+def test_ps_shows_the_loaded_model(served):
+    _, client, _ = served
+    client.generate(model="tiny", prompt="x", options=FAST, keep_alive="10m")
+    running = client.ps().models
+    assert [m.model for m in running] == ["tiny:latest"]
+    assert running[0].expires_at is not None and running[0].context_length > 0
+
+
+def test_copy_and_delete(served):
+    _, client, _ = served
+    assert client.copy("tiny", "tiny-copy").status == "success"
+    assert "tiny-copy:latest" in [m.model for m in client.list().models]
+    assert client.generate(model="tiny-copy", prompt="x", options=FAST).done
+    assert client.delete("tiny-copy").status == "success"
+    assert "tiny-copy:latest" not in [m.model for m in client.list().models]
+    with pytest.raises(ollama.ResponseError) as err:
+        client.delete("tiny-copy")
+    assert err.value.status_code == 404
+
+
+def test_pull_from_the_test_registry(served, tiny_gguf):
+    _, client, registry = served
+    config = {"model_format": "gguf", "model_family": "diffusion-gemma", "model_families": ["diffusion-gemma"]}
+    registry.add_model("library/pulled:latest", [(MEDIA_MODEL, tiny_gguf.read_bytes())], config=config)
+    name = f"{registry.host}/library/pulled:latest"
+    statuses = [p.status for p in client.pull(name, insecure=True, stream=True)]
+    assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
+    assert client.pull(name, insecure=True).status == "success"  # non-streaming, blobs already present
+    assert name in [m.model for m in client.list().models]
+    assert client.generate(model=name, prompt="x", options=FAST).done
+    with pytest.raises(ollama.ResponseError) as err:
+        client.pull(f"{registry.host}/library/absent:latest", insecure=True)
+    assert err.value.status_code == 404
+
+
+def test_errors_raise_response_error(served):
+    _, client, _ = served
+    with pytest.raises(ollama.ResponseError) as err:
+        client.show("does-not-exist")
+    assert err.value.status_code == 404 and "not found" in err.value.error
+    with pytest.raises(ollama.ResponseError) as err:
+        client.generate(model="tiny", prompt="x", options={"diffusion_steps": 0})
+    assert err.value.status_code == 400 and "diffusion_steps" in err.value.error
+
+
+def test_malicious_template_in_a_stored_model_fails_safely(served):
+    """A Jinja template that tries to escape the sandbox (as a pulled model could carry) never runs code: 500."""
+    server, client, _ = served
+    from dgemma_cli.store import Store
+    from server_harness import add_model
+
+    store = Store(server.env["DGEMMA_MODELS"])
+    local = store.resolve("tiny")
+    add_model(store, "evil-template", local.gguf_path,
+              template="{{ cycler.__init__.__globals__.os.popen('id').read() }}{% for m in messages %}{% endfor %}")
+    with pytest.raises(ollama.ResponseError) as err:
+        client.chat(model="evil-template", messages=[{"role": "user", "content": "x"}], options=FAST)
+    assert err.value.status_code == 500 and err.value.error == "failed to render chat template"
+    assert client.generate(model="tiny", prompt="still up", options=FAST).done
+
+
+def test_api_key_via_ollama_api_key(tmp_path, monkeypatch, tiny_gguf):
+    with ServeProcess(tmp_path / "models", {"DGEMMA_API_KEY": "k3y", "DGEMMA_NOPRUNE": "1"}) as server:
+        monkeypatch.delenv("OLLAMA_API_KEY", raising=False)
+        with pytest.raises(ollama.ResponseError) as err:
+            ollama.Client(host=server.url).list()
+        assert err.value.status_code == 401
+        monkeypatch.setenv("OLLAMA_API_KEY", "k3y")
+        assert ollama.Client(host=server.url).list().models == []
+
+
+# ---- fault injection (a fake runner behind the scheduler; the client is still the real one) -------------------------
+
+@pytest.fixture
+def fake_served(tmp_path):
+    from dgemma_cli.store import Store
+    from server_harness import add_model, write_small_gguf
+
+    store = Store(tmp_path / "models")
+    add_model(store, "tiny", write_small_gguf(tmp_path / "t.gguf"))
+    behaviour = FakeBehaviour(answer="a" * 20, steps=5, step_delay=0.04)
+    config = ServerConfig.from_env({"DGEMMA_MODELS": str(store.root), "DGEMMA_MAX_QUEUE": "1"})
+    with InProcessServer(config, store, fake_factory(behaviour)) as server:
+        yield server, behaviour
+
+
+def test_response_error_on_503_and_mid_stream_error(fake_served):
+    server, behaviour = fake_served
+    client = ollama.Client(host=server.url)
+    background = [threading.Thread(target=lambda: client.generate(model="tiny", prompt="x")) for _ in range(2)]
+    background[0].start()
+    deadline = time.monotonic() + 5
+    while behaviour.generations == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    background[1].start()  # waits in the queue (limit 1)
+    time.sleep(0.2)
+    with pytest.raises(ollama.ResponseError) as err:
+        client.generate(model="tiny", prompt="x")
+    assert err.value.status_code == 503
+    assert err.value.error == "server busy, please try again.  maximum pending requests exceeded"
+    for thread in background:
+        thread.join()
+    behaviour.crash_at_step = 2
+    with pytest.raises(ollama.ResponseError) as err:
+        list(client.generate(model="tiny", prompt="x", stream=True, options={"diffusion_progress": True}))
+    assert err.value.error == "internal server error"

@@ -1,0 +1,80 @@
+"""The real `openai` Python client, unchanged, against `dgemma serve` (a subprocess) running the tiny fixture model."""
+import openai
+import pytest
+
+from server_harness import ServeProcess
+
+EXTRA = {"seed": 3}  # sent as a normal OpenAI field; sampling fields are forwarded only when sent
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, gguf_path):
+    import ollama
+
+    root = tmp_path_factory.mktemp("openai-client")
+    with ServeProcess(root / "models", {"DGEMMA_NOPRUNE": "1"}) as server:
+        setup = ollama.Client(host=server.url)
+        digest = setup.create_blob(gguf_path("tiny-a", "f32"))
+        setup.create(model="tiny", files={"tiny-a.gguf": digest})
+        setup.create(model="hf.co/someone/tiny-GGUF:Q8_0", from_="tiny", parameters={"diffusion_steps": 4})
+        yield server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_chat_completion_non_streaming(served):
+    _, client = served
+    completion = client.chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        max_tokens=16, seed=3)
+    assert completion.object == "chat.completion" and completion.id.startswith("chatcmpl-")
+    choice = completion.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    assert completion.usage.prompt_tokens > 0 and 0 <= completion.usage.completion_tokens <= 16
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
+    again = client.chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        max_tokens=16, seed=3)
+    assert again.choices[0].message.content == choice.message.content  # same seed, same answer
+
+
+def test_chat_completion_streaming_with_usage(served):
+    _, client = served
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=16, seed=3)
+    stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1 and all(c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["stop"], ["length"])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 0
+    assert text == client.chat.completions.create(**kwargs).choices[0].message.content
+
+
+def test_completions(served):
+    _, client = served
+    completion = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=16, seed=5)
+    assert completion.object == "text_completion" and isinstance(completion.choices[0].text, str)
+    streamed = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=16, seed=5,
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == completion.choices[0].text
+
+
+def test_models_list_and_retrieve(served):
+    _, client = served
+    ids = {m.id for m in client.models.list()}
+    assert {"tiny:latest", "hf.co/someone/tiny-GGUF:Q8_0"} <= ids
+    model = client.models.retrieve("hf.co/someone/tiny-GGUF:Q8_0")
+    assert model.id == "hf.co/someone/tiny-GGUF:Q8_0" and model.owned_by == "someone"
+    assert client.models.retrieve("tiny").owned_by == "library"
+
+
+def test_error_objects_raise_the_right_exceptions(served):
+    _, client = served
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="missing", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2)
+    assert err.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("missing")
