@@ -21,6 +21,7 @@ import shutil
 import socket
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 from urllib.parse import urlencode, urljoin, urlsplit
@@ -264,9 +265,23 @@ class RegistryClient:
         timeout = httpx.Timeout(options.connect_timeout, read=options.stall_timeout)
         limits = httpx.Limits(max_connections=max(8, options.streams * 2), max_keepalive_connections=options.streams)
         self.http = httpx.Client(timeout=timeout, limits=limits, follow_redirects=False, trust_env=False)
+        self._proxied: dict[str, httpx.Client] = {}
+        self._client_args = dict(timeout=timeout, limits=limits, follow_redirects=False, trust_env=False)
 
     def close(self) -> None:
         self.http.close()
+        for client in self._proxied.values():
+            client.close()
+
+    def _proxy_client(self, url: httpx.URL) -> httpx.Client | None:
+        """A client through HTTPS_PROXY/HTTP_PROXY when one applies to `url` (NO_PROXY honoured), else None."""
+        proxies = urllib.request.getproxies_environment()
+        proxy = proxies.get(url.scheme)
+        if not proxy or urllib.request.proxy_bypass_environment(url.host or "", proxies):
+            return None
+        if proxy not in self._proxied:
+            self._proxied[proxy] = httpx.Client(proxy=proxy, **self._client_args)
+        return self._proxied[proxy]
 
     def clone(self) -> "RegistryClient":
         """A client of its own for a background transfer (which may outlive the puller that started it)."""
@@ -283,13 +298,17 @@ class RegistryClient:
         host = url.host or ""
         port = url.port or (443 if url.scheme == "https" else 80)
         ip = vet_address(host, port, implicitly_allowed=self.mirrored and self._same_origin(url))
-        target = url.copy_with(host=ip)
-        headers = {**headers, "Host": url.netloc.decode("ascii"), "Accept-Encoding": "identity",
-                   "User-Agent": "dgemma (ollama-compatible)"}
-        request = self.http.build_request("GET", target, headers=headers,
-                                          extensions={"sni_hostname": host} if url.scheme == "https" else {})
+        headers = {**headers, "Accept-Encoding": "identity", "User-Agent": "dgemma (ollama-compatible)"}
+        proxied = self._proxy_client(url)
+        if proxied is not None:  # the proxy resolves the name; the gate above still vetted it
+            client, request = proxied, proxied.build_request("GET", url, headers=headers)
+        else:
+            headers["Host"] = url.netloc.decode("ascii")
+            client = self.http
+            request = client.build_request("GET", url.copy_with(host=ip), headers=headers,
+                                           extensions={"sni_hostname": host} if url.scheme == "https" else {})
         try:
-            return self.http.send(request, stream=True)
+            return client.send(request, stream=True)
         except httpx.TimeoutException as exc:
             raise _Retryable(f"timed out talking to {host}") from exc
         except httpx.TransportError as exc:

@@ -78,12 +78,23 @@ class FakeRegistry:
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.port = 0
-        self.app = Starlette(routes=[
+        self.proxied: list[str] = []  # absolute-form targets received while acting as an HTTP proxy
+        self.routes = Starlette(routes=[
             Route("/v2/{ns}/{model}/manifests/{tag}", self._manifest, methods=["GET", "HEAD"]),
             Route("/v2/{ns}/{model}/blobs/{digest}", self._blob, methods=["GET", "HEAD"]),
             Route("/hop/{n:int}/{ns}/{model}/{digest}", self._hop, methods=["GET"]),
             Route("/token", self._token, methods=["GET"]),
         ])
+        self.app = self._asgi
+
+    async def _asgi(self, scope, receive, send):
+        """Serve as a registry, and as a plain-HTTP forward proxy for itself (absolute-form request targets)."""
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path.startswith(("http://", "https://")):
+            self.proxied.append(path)
+            rest = path.split("://", 1)[1]
+            scope = {**scope, "path": "/" + rest.split("/", 1)[1] if "/" in rest else "/", "raw_path": None}
+        await self.routes(scope, receive, send)
 
     # ---- content -----------------------------------------------------------------------------------------------
 
@@ -126,7 +137,7 @@ class FakeRegistry:
         return f"http://{self.host}"
 
     def start(self) -> "FakeRegistry":
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="critical", lifespan="off",
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="critical", lifespan="off", interface="asgi3",
                                 access_log=False)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)

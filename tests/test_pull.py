@@ -291,3 +291,71 @@ def test_free_disk_check_before_download(registry, gguf_blob, tmp_path):
     with pytest.raises(DgemmaError, match="insufficient disk space"):
         run_pull(f"{registry.host}/library/tiny:latest", store, options=fast_options(free_disk_margin=1 << 60))
     assert not registry.requests_for(digest_of(gguf_blob))
+
+
+def test_http_proxy_from_environment_is_used(registry, gguf_blob, tmp_path, monkeypatch):
+    registry.add_model("library/tiny:latest", [(MEDIA_MODEL, gguf_blob)])
+    monkeypatch.setenv("HTTP_PROXY", registry.url)  # the fake registry also answers as a forward proxy
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    store = Store(tmp_path / "store")
+    assert run_pull(f"{registry.host}/library/tiny:latest", store)[-1] == {"status": "success"}
+    assert registry.proxied and all(t.startswith(f"http://{registry.host}/v2/") for t in registry.proxied)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    registry.proxied.clear()
+    run_pull(f"{registry.host}/library/tiny:latest", Store(tmp_path / "store2"))
+    assert not registry.proxied
+
+
+def test_connects_to_the_vetted_address_without_a_second_lookup(registry, gguf_blob, tmp_path, monkeypatch):
+    import socket
+
+    registry.add_model("library/tiny:latest", [(MEDIA_MODEL, gguf_blob)])
+    real = socket.getaddrinfo
+    lookups = []
+
+    def fake_getaddrinfo(host, port, *args, **kwargs):
+        if host == "registry.test":
+            lookups.append(host)
+            return real("127.0.0.1", port, *args, **kwargs)
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake_getaddrinfo)
+    monkeypatch.setenv("DGEMMA_REGISTRY_ALLOW", f"registry.test:{registry.port}")
+    name = f"http://registry.test:{registry.port}/library/tiny:latest"
+    assert run_pull(name, Store(tmp_path / "store"))[-1] == {"status": "success"}
+    requests = [r for r in registry.log if r.path.startswith("/v2/")]
+    assert requests and all(r.headers["host"] == f"registry.test:{registry.port}" for r in requests)
+    assert len(lookups) == len(requests)  # one vetting lookup per request, none by the HTTP stack
+
+
+def test_one_puller_leaving_does_not_cancel_a_shared_download(registry, gguf_blob, tmp_path):
+    registry.add_model("library/tiny:latest", [(MEDIA_MODEL, gguf_blob)])
+    registry.faults.throttle_s = 0.02
+    registry.faults.chunk_size = 64
+    digest = digest_of(gguf_blob)
+    store = Store(tmp_path / "store")
+    name = f"{registry.host}/library/tiny:latest"
+    first = pull(name, store, insecure=True, options=fast_options(streams=1))
+    for event in first:  # the first puller starts the transfer, then leaves mid-way
+        if event.get("digest") == digest and event.get("completed"):
+            break
+    second_events = []
+    second = threading.Thread(target=lambda: second_events.extend(run_pull(name, store, options=fast_options(streams=1))))
+    second.start()
+    import time as _time
+
+    from dgemma_cli import registry as registry_module
+
+    deadline = _time.monotonic() + 10
+    while _time.monotonic() < deadline:  # wait until the second puller has joined the running transfer
+        with registry_module._transfers_lock:
+            if any(t.waiters == 2 for t in registry_module._transfers.values()):
+                break
+        _time.sleep(0.005)
+    first.close()  # GeneratorExit: this client has gone, the other still waits
+    second.join(30)
+    assert second_events and second_events[-1] == {"status": "success"}
+    assert store.blob_path(digest).read_bytes() == gguf_blob
+    ranges = [r.range for r in registry.requests_for(digest)]
+    assert len(ranges) == len(set(ranges))  # nothing was downloaded twice

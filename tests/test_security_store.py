@@ -323,10 +323,10 @@ def test_token_response_is_capped(reg, tmp_path, monkeypatch):
     async def huge_token(request):
         return Response(b'{"token":"' + b"a" * (100 << 10) + b'"}', media_type="application/json")
 
-    reg.app.router.routes = [r for r in reg.app.router.routes if getattr(r, "path", "") != "/token"]
+    reg.routes.router.routes = [r for r in reg.routes.router.routes if getattr(r, "path", "") != "/token"]
     from starlette.routing import Route
 
-    reg.app.router.routes.append(Route("/token", huge_token))
+    reg.routes.router.routes.append(Route("/token", huge_token))
     with pytest.raises(DgemmaError, match="token response is too large"):
         _pull(reg, Store(tmp_path / "store"))
 
