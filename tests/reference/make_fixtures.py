@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import shutil
 import sys
 import tempfile
@@ -203,6 +202,9 @@ def write_checkpoint(spec: FixtureSpec, out: Path) -> None:
     primary, other = (config_b, config_a) if spec.primary_form == "B" else (config_a, config_b)
     write_json(out / "config.json", primary)
     write_json(out / f"config_form_{'a' if spec.primary_form == 'B' else 'b'}.json", other)
+    shared = Path("/work/shared/bench/generation_config.json")
+    if shared.exists():  # keep the copy above in sync with the project's reference file
+        assert json.loads(shared.read_text()) == RELEASED_GENERATION_CONFIG, f"update the copy from {shared}"
     write_json(out / "generation_config.json", RELEASED_GENERATION_CONFIG)
 
     tokenizer = train_gemma_tokenizer(spec.vocab_size, spec.image_ids, chat_template=CHAT_TEMPLATE)
