@@ -28,6 +28,19 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def startup_warnings(config) -> list[str]:
+    """The loud warnings of spec §1.1: a non-loopback bind, and then a missing API key."""
+    warnings = list(config.warnings)
+    if not config.host.is_loopback:
+        warnings.append(
+            f"WARNING: dgemma is listening on {config.host.url}, a non-loopback address: anyone who can reach this "
+            "machine can use it"
+        )
+        if not config.api_key:
+            warnings.append("WARNING: DGEMMA_API_KEY is unset: requests from the network are not authenticated")
+    return warnings
+
+
 def serve() -> None:
     """Start the REST server (Ollama and OpenAI compatible). Configure it with DGEMMA_* environment variables."""
     import uvicorn
@@ -39,17 +52,10 @@ def serve() -> None:
     level = logging.DEBUG if config.debug else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     log = logging.getLogger("dgemma.server")
-    for warning in config.warnings:
-        log.warning(warning)
     for line in config.describe():
         log.info("config %s", line)
-    if not config.host.is_loopback:
-        log.warning(
-            "WARNING: dgemma is listening on %s, a non-loopback address: anyone who can reach this machine can use it",
-            config.host.url,
-        )
-        if not config.api_key:
-            log.warning("WARNING: DGEMMA_API_KEY is unset: requests from the network are not authenticated")
+    for warning in startup_warnings(config):
+        log.warning(warning)
     sock = _bind(config.host.host, config.host.port)
     app = create_app(config)
     log.info("listening on %s (dgemma API, Ollama %s compatible)", config.host.url, config.compat_version)
