@@ -47,12 +47,15 @@ def _jinja_template(local_model: Any, metadata: dict) -> str | None:
 
 
 class EngineRunner:
-    """A loaded model and one K/V context. One generation at a time (the scheduler's slot guarantees it)."""
+    """A loaded model with K/V contexts, a tokenizer and the chat template. Methods block (call them in threads)."""
 
     def __init__(self, local_model: Any, num_ctx: int, threads: int | None = None):
-        from dgemma_engine.model import Context, Model
+        from dgemma_engine.model import Model
         from dgemma_engine.tokenizer import Tokenizer
 
+        self.threads = threads
+        self._lock = threading.Lock()
+        self._contexts: list[Any] = []
         self.model = Model.load(str(local_model.gguf_path), threads=threads)
         try:
             hparams = self.model.hparams
@@ -62,8 +65,8 @@ class EngineRunner:
                 raise RequestError(f'model architecture "{architecture}" is not supported by dgemma')
             self.canvas_length = int(hparams.canvas_length)
             self.context_length = max(1, min(int(num_ctx), int(hparams.n_ctx_train)))
-            self.ctx = Context(self.model, n_ctx=self.context_length, threads=threads)
             self.tokenizer = Tokenizer.from_metadata(self.metadata)
+            self._contexts.append(self._new_context())  # allocate the cache now: a load fails early, not mid-request
         except BaseException:
             self.model.close()
             raise
@@ -71,6 +74,11 @@ class EngineRunner:
         self.has_thinking = bool(self.template and "enable_thinking" in self.template)
         self.size = os.path.getsize(local_model.gguf_path)
         self.size_vram = 0
+
+    def _new_context(self) -> Any:
+        from dgemma_engine.model import Context
+
+        return Context(self.model, n_ctx=self.context_length, threads=self.threads)
 
     def render_chat(self, messages: list[dict], think: bool | None) -> str:
         from dgemma_engine.chat import render_chat
@@ -100,15 +108,32 @@ class EngineRunner:
             stability_threshold=sampler.stability_threshold,
             seed=sampler.seed,
         )
-        self.ctx.reset()
-        yield from generate(
-            self.ctx, prompt_ids, params, max_new_tokens=max_new_tokens,
-            eos_ids=eos_ids_from_metadata(self.metadata),
-            tokenizer=self.tokenizer,
-            cancel=cancel,
+        ctx = self._take_context()
+        try:
+            ctx.reset()
+            yield from generate(
+                ctx,
+                prompt_ids,
+                params,
+                max_new_tokens=max_new_tokens,
+                eos_ids=eos_ids_from_metadata(self.metadata),
+                tokenizer=self.tokenizer,
+                cancel=cancel,
+            )
+        finally:
+            with self._lock:
+                self._contexts.append(ctx)
 
-        )
+    def _take_context(self) -> Any:
+        """A free K/V context: one per concurrent generation (the DGEMMA_NUM_PARALLEL slots bound how many exist)."""
+        with self._lock:
+            if self._contexts:
+                return self._contexts.pop()
+        return self._new_context()
 
     def close(self) -> None:
-        self.ctx.close()
+        with self._lock:
+            contexts, self._contexts = self._contexts, []
+        for ctx in contexts:
+            ctx.close()
         self.model.close()
