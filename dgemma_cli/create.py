@@ -227,6 +227,14 @@ def create_model(name: ModelName | str, modelfile: Modelfile, store: Store, base
     `base_dir`: folder that relative FROM paths start from (the Modelfile's folder). `paths_within`: if given, local
     FROM paths are honoured only inside that folder; it defaults to `blobs/` when `base_dir` is the store's blobs
     folder (the server's call), so a client can never make the server open an arbitrary path."""
+    try:
+        yield from _create_model(name, modelfile, store, base_dir, quantize, paths_within)
+    except OSError as exc:  # unreadable source, full disk: one line, no paths
+        raise CreateError(f"create failed: {exc.strerror or exc.__class__.__name__}") from None
+
+
+def _create_model(name: ModelName | str, modelfile: Modelfile, store: Store, base_dir: Path | str,
+                  quantize: str | None, paths_within: Path | None) -> Iterator[dict[str, Any]]:
     model_name = name if isinstance(name, ModelName) else ModelName.parse(name)
     base_dir = Path(base_dir)
     if paths_within is None and base_dir.resolve() == store.blobs_dir.resolve():

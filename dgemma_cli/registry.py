@@ -416,6 +416,8 @@ class _Transfer:
     def _run(self) -> None:
         try:
             self._download()
+        except OSError as exc:  # disk trouble: a one-line error without the store path
+            self.error = PullError(f"download of {self.layer.digest[:19]} failed: {exc.strerror or exc.__class__.__name__}")
         except BaseException as exc:  # noqa: BLE001 (handed to every waiting puller)
             self.error = exc
         finally:
@@ -758,67 +760,73 @@ def pull(name: ModelName | str, store: Store, insecure: bool = False, cancel: An
     later pull resumes. Closing the generator has the same effect."""
     model_name = name if isinstance(name, ModelName) else ModelName.parse(name)
     options = options or PullOptions.from_env()
-    cancelled = _cancel_check(cancel)
     client = RegistryClient(model_name, insecure, options)
     try:
-        yield {"status": "pulling manifest"}
-        raw = _fetch_manifest(client)
-        manifest = parse_manifest(raw)
-        model_layer = _check_manifest_shape(manifest)
-
-        yield _progress(manifest.config, 0)
-        _fetch_config(client, store, manifest.config)
-        yield _progress(manifest.config, manifest.config.size)
-
-        store.ensure_dirs()
-        missing = [layer for layer in manifest.layers if not store.has_blob(layer.digest)]
-        needed = sum(layer.size for layer in missing)
-        free = shutil.disk_usage(store.blobs_dir).free
-        if needed and free < needed + options.free_disk_margin:
-            raise PullError(f"insufficient disk space: need {needed + options.free_disk_margin} bytes, {free} free")
-
-        for layer in manifest.layers:
-            if store.has_blob(layer.digest):
-                yield _progress(layer, layer.size)
-                continue
-            transfer = _join_transfer(store, client, layer, options)
-            try:
-                last = -1
-                yield _progress(layer, transfer.completed)
-                while not transfer.done.wait(options.progress_interval):
-                    if cancelled():
-                        raise PullCancelled()
-                    if transfer.completed != last:
-                        last = transfer.completed
-                        yield _progress(layer, last)
-                if transfer.error is not None:
-                    raise transfer.error
-                yield _progress(layer, layer.size)
-            finally:
-                _leave_transfer(transfer)
-        # Each transfer hashed its file before moving it into place; a pull that joined another's transfer
-        # relies on that, so here we only confirm every layer is present.
-        yield {"status": "verifying sha256 digest"}
-        for layer in manifest.layers:
-            if not store.has_blob(layer.digest):
-                raise RegistryError(f"layer {layer.digest[:19]} is missing after download")
-        try:
-            check_diffusion_gguf(store.blob_path(model_layer.digest))
-        except DgemmaError:
-            store.remove_unreferenced([model_layer.digest])
-            raise
-
-        yield {"status": "writing manifest"}
-        try:
-            previous = store.read_manifest(model_name) if store.exists(model_name) else None
-        except DgemmaError:
-            previous = None
-        store.write_manifest(model_name, raw)
-        if previous is not None:
-            orphans = set(previous.all_digests()) - set(manifest.all_digests())
-            if orphans:
-                yield {"status": "removing unused layers"}
-                store.remove_unreferenced(orphans)
-        yield {"status": "success"}
+        yield from _pull(model_name, store, client, options, _cancel_check(cancel))
+    except OSError as exc:
+        raise PullError(f"pull failed: {exc.strerror or exc.__class__.__name__}") from None
     finally:
         client.close()
+
+
+def _pull(model_name: ModelName, store: Store, client: RegistryClient, options: PullOptions,
+          cancelled: Callable[[], bool]) -> Iterator[dict[str, Any]]:
+    yield {"status": "pulling manifest"}
+    raw = _fetch_manifest(client)
+    manifest = parse_manifest(raw)
+    model_layer = _check_manifest_shape(manifest)
+
+    yield _progress(manifest.config, 0)
+    _fetch_config(client, store, manifest.config)
+    yield _progress(manifest.config, manifest.config.size)
+
+    store.ensure_dirs()
+    missing = [layer for layer in manifest.layers if not store.has_blob(layer.digest)]
+    needed = sum(layer.size for layer in missing)
+    free = shutil.disk_usage(store.blobs_dir).free
+    if needed and free < needed + options.free_disk_margin:
+        raise PullError(f"insufficient disk space: need {needed + options.free_disk_margin} bytes, {free} free")
+
+    for layer in manifest.layers:
+        if store.has_blob(layer.digest):
+            yield _progress(layer, layer.size)
+            continue
+        transfer = _join_transfer(store, client, layer, options)
+        try:
+            last = -1
+            yield _progress(layer, transfer.completed)
+            while not transfer.done.wait(options.progress_interval):
+                if cancelled():
+                    raise PullCancelled()
+                if transfer.completed != last:
+                    last = transfer.completed
+                    yield _progress(layer, last)
+            if transfer.error is not None:
+                raise transfer.error
+            yield _progress(layer, layer.size)
+        finally:
+            _leave_transfer(transfer)
+    # Each transfer hashed its file before moving it into place; a pull that joined another's transfer
+    # relies on that, so here we only confirm every layer is present.
+    yield {"status": "verifying sha256 digest"}
+    for layer in manifest.layers:
+        if not store.has_blob(layer.digest):
+            raise RegistryError(f"layer {layer.digest[:19]} is missing after download")
+    try:
+        check_diffusion_gguf(store.blob_path(model_layer.digest))
+    except DgemmaError:
+        store.remove_unreferenced([model_layer.digest])
+        raise
+
+    yield {"status": "writing manifest"}
+    try:
+        previous = store.read_manifest(model_name) if store.exists(model_name) else None
+    except DgemmaError:
+        previous = None
+    store.write_manifest(model_name, raw)
+    if previous is not None:
+        orphans = set(previous.all_digests()) - set(manifest.all_digests())
+        if orphans:
+            yield {"status": "removing unused layers"}
+            store.remove_unreferenced(orphans)
+    yield {"status": "success"}

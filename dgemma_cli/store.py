@@ -222,23 +222,29 @@ class Store:
     def blob_path(self, digest: str) -> Path:
         """THE validated digest -> path function: `blobs/sha256-<64 lowercase hex>`, never anything else."""
         hexdigest = normalize_digest(digest).split(":", 1)[1]
-        path = self.blobs_dir / f"sha256-{hexdigest}"
-        base = self.blobs_dir.resolve()
-        if path.resolve().parent != base:  # e.g. a symlinked file pointing elsewhere
+        return self._inside_blobs(self.blobs_dir / f"sha256-{hexdigest}")
+
+    def _inside_blobs(self, path: Path) -> Path:
+        if path.resolve().parent != self.blobs_dir.resolve():  # e.g. a symlinked file pointing elsewhere
             raise InvalidDigestError()
         return path
 
     def partial_path(self, digest: str) -> Path:
-        return self.blob_path(digest).with_name(self.blob_path(digest).name + "-partial")
+        """In-flight download data: `blobs/sha256-<hex>-partial` (derived from blob_path only)."""
+        blob = self.blob_path(digest)
+        return self._inside_blobs(blob.with_name(blob.name + "-partial"))
 
     def sidecar_path(self, digest: str, part: int) -> Path:
+        """Resume state of one part: `blobs/sha256-<hex>-partial-<N>`."""
         if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < 100_000:
             raise DgemmaError("invalid part number")
-        return self.blob_path(digest).with_name(self.blob_path(digest).name + f"-partial-{part}")
+        blob = self.blob_path(digest)
+        return self._inside_blobs(blob.with_name(blob.name + f"-partial-{part}"))
 
     def upload_path(self, digest: str) -> Path:
         """A fresh temp name for a blob being written (`…-upload-<random>`), inside `blobs/`."""
-        return self.blob_path(digest).with_name(self.blob_path(digest).name + f"-upload-{secrets.token_hex(8)}")
+        blob = self.blob_path(digest)
+        return self._inside_blobs(blob.with_name(blob.name + f"-upload-{secrets.token_hex(8)}"))
 
     def has_blob(self, digest: str) -> bool:
         return self.blob_path(digest).is_file()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -216,4 +217,16 @@ def test_converter_failure_is_a_clean_create_error(store, tmp_path):
     with pytest.raises(DgemmaError) as exc:
         create(store, "broken", "FROM ./ckpt\n", tmp_path)
     assert str(exc.value).startswith("converting model failed: ")
+    assert str(tmp_path) not in str(exc.value) and not store.list_models()
+
+
+def test_unreadable_source_is_a_clean_error(store, tmp_path):
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    gguf.chmod(0)
+    if os.access(gguf, os.R_OK):  # running as root: make it a directory-shaped failure instead
+        gguf.unlink()
+        (tmp_path / "tiny.gguf").mkdir()
+        (tmp_path / "tiny.gguf" / "a.gguf").mkdir()  # a folder whose only ".gguf" entry is not a file
+    with pytest.raises(DgemmaError) as exc:
+        create(store, "m", "FROM ./tiny.gguf\n", tmp_path)
     assert str(tmp_path) not in str(exc.value) and not store.list_models()
