@@ -379,3 +379,16 @@ def test_openai_completions_and_models(make_server):
         assert c.get("/v1/models/tiny:latest").json()["id"] == "tiny:latest"
         assert c.get("/v1/models/library/tiny").json()["id"] == "tiny:latest"
         assert c.get("/v1/models/hf.co/u/nope:Q4").status_code == 404
+
+
+def test_per_request_go_template(make_server):
+    server, behaviour, _ = make_server()
+    with client(server) as c:
+        r = c.post("/api/generate", json={"model": "tiny", "prompt": "hi", "stream": False,
+                                          "template": "[{{ .System }}]{{ if .Prompt }}Q:{{ .Prompt }}{{ end }} A:"})
+        assert r.status_code == 200
+        assert behaviour.last_prompt[-1] == "[Be brief.]Q:hi A:"
+        r = c.post("/api/generate", json={"model": "tiny", "prompt": "hi", "template": "{{ range .Messages }}{{ end }}"})
+        assert r.status_code == 400 and r.json()["error"].startswith("template error")
+        r = c.post("/api/generate", json={"model": "tiny", "prompt": "hi", "raw": True, "stream": False})
+        assert r.status_code == 200 and behaviour.last_prompt[-1] == "hi" and "context" not in r.json()

@@ -182,3 +182,34 @@ def test_timestamps_and_path_scrubbing():
     assert scrub_paths("cannot open /home/alice/.dgemma/models/blobs/x") == "cannot open <path>"
     assert scrub_paths("model 'hf.co/user/repo:Q4' at http://127.0.0.1:5000/v2/x") == (
         "model 'hf.co/user/repo:Q4' at http://127.0.0.1:5000/v2/x")
+
+
+def test_go_template_safe_subset():
+    from dgemma_cli.server import gotemplate
+
+    template = "{{- if .System }}<sys>{{ .System }}</sys>\n{{ end -}}<u>{{ .Prompt }}</u>\n<a>{{ .Response }}"
+    text = gotemplate.render_messages(template, [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"}])
+    assert text == "<sys>S</sys>\n<u>hi</u>\n<a>yo<u>again</u>\n<a>"
+    assert gotemplate.render_messages("{{ if .System }}A{{ else }}B{{ end }}{{ .Prompt }}",
+                                      [{"role": "user", "content": "p"}]) == "Bp"
+    for unsupported in ["{{ range .Messages }}x{{ end }}", "{{ .Foo }}", "{{ if .System }}x", "{{ call .X }}",
+                        '{{ printf "%s" .Prompt }}', "{{ template \"x\" }}", "{{ end }}"]:
+        with pytest.raises(gotemplate.UnsupportedTemplate):
+            gotemplate.parse(unsupported)
+
+
+def test_template_selection_order():
+    from types import SimpleNamespace
+
+    from dgemma_cli.server.runner import select_template
+
+    gguf = {"tokenizer.chat_template": "{{ messages }}"}
+    jinja_layer = SimpleNamespace(template="{% for m in messages %}{% endfor %}", config={"template_format": "jinja"})
+    go_layer = SimpleNamespace(template="{{ .Prompt }}", config={"template_format": "go"})
+    bad_go = SimpleNamespace(template="{{ range .X }}{{ end }}", config={"template_format": "go"})
+    assert select_template(jinja_layer, gguf).text == jinja_layer.template
+    assert select_template(go_layer, gguf).text == "{{ messages }}"  # the GGUF template beats a Go layer
+    assert select_template(go_layer, {}).kind == "go"
+    assert select_template(bad_go, {}).kind == "none"  # unsupported Go: ignored, bare prompt

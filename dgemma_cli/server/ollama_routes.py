@@ -15,11 +15,12 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from dgemma_cli.errors import DgemmaError
-from dgemma_cli.server import inference, schemas
+from dgemma_cli.server import gotemplate, inference, schemas
 from dgemma_cli.server.durations import parse_keep_alive
 from dgemma_cli.server.errors import NotFound, RequestError
 from dgemma_cli.server.inference import Final, Progress, Text
 from dgemma_cli.server.options import check_options, resolve_sampler
+from dgemma_cli.server.runner import ChatTemplate, render_prompt
 from dgemma_cli.server.services import Services, ResolvedModel, services
 from dgemma_cli.server.streaming import (
     NDJSON,
@@ -202,6 +203,8 @@ async def generate(req: schemas.GenerateRequest, request: Request):
     system = req.system if req.system is not None else model.local.system
     context = list(req.context or [])
 
+    override = _request_template(req.template) if req.template and not req.raw else None
+
     def build_prompt(runner, thinking):
         if req.raw:
             text = req.prompt
@@ -209,7 +212,7 @@ async def generate(req: schemas.GenerateRequest, request: Request):
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": req.prompt}
             ]
-            text = _render(runner, messages, thinking)
+            text = _render(runner, messages, thinking, override)
         return context + runner.tokenize(text)
 
     job = _Job(svc, model, options, keep_alive)
@@ -217,8 +220,24 @@ async def generate(req: schemas.GenerateRequest, request: Request):
     return await _answer(request, stream, model, req.stream, chat=False, with_context=not req.raw)
 
 
-def _render(runner, messages: list[dict], thinking: bool | None) -> str:
+def _request_template(text: str) -> ChatTemplate:
+    """A per-request `template` (§2.3), classified like a Modelfile TEMPLATE: Jinja is sandboxed, Go only in the
+    safe subset (anything else is a 400, since the caller asked for this template explicitly)."""
+    from dgemma_cli.create import template_format
+
+    if template_format(text) == "jinja":
+        return ChatTemplate("jinja", text)
     try:
+        gotemplate.parse(text)
+    except gotemplate.UnsupportedTemplate as exc:
+        raise RequestError(f"template error: {exc}") from None
+    return ChatTemplate("go", text)
+
+
+def _render(runner, messages: list[dict], thinking: bool | None, override: ChatTemplate | None = None) -> str:
+    try:
+        if override is not None:
+            return render_prompt(override, messages, thinking)
         return runner.render_chat(messages, thinking)
     except RequestError:
         raise

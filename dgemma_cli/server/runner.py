@@ -3,11 +3,14 @@
 The scheduler only needs the `Runner` protocol, so tests can put a controllable fake behind it to inject faults (slow
 steps, crashes). `EngineRunner` is the real thing over `dgemma_engine`; its methods block and run in worker threads.
 """
+import logging
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from dgemma_cli.server import gotemplate
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import SamplerSettings
 
@@ -37,13 +40,41 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
-def _jinja_template(local_model: Any, metadata: dict) -> str | None:
-    """Template selection of spec §4.6: a Jinja TEMPLATE layer first, then the GGUF's `tokenizer.chat_template`."""
+log = logging.getLogger("dgemma.server")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    kind: str  # "jinja" | "go" | "none"
+    text: str = ""
+
+
+def select_template(local_model: Any, metadata: dict) -> ChatTemplate:
+    """Spec §4.6: a Jinja TEMPLATE layer, else the GGUF's `tokenizer.chat_template`, else a Go TEMPLATE in the safe
+    subset, else the bare prompt. Go templates are never given to Jinja."""
     template = getattr(local_model, "template", None) or None
     config = getattr(local_model, "config", None) or {}
     if template and config.get("template_format") == "jinja":
-        return template
-    return metadata.get("tokenizer.chat_template") or None
+        return ChatTemplate("jinja", template)
+    if metadata.get("tokenizer.chat_template"):
+        return ChatTemplate("jinja", str(metadata["tokenizer.chat_template"]))
+    if template:
+        try:
+            gotemplate.parse(template)
+            return ChatTemplate("go", template)
+        except gotemplate.UnsupportedTemplate as exc:
+            log.warning("ignoring the model's Go template: %s", exc)
+    return ChatTemplate("none")
+
+
+def render_prompt(template: ChatTemplate, messages: list[dict], think: bool | None) -> str:
+    if template.kind == "jinja":
+        from dgemma_engine.chat import render_chat
+
+        return render_chat(template.text, messages, add_generation_prompt=True, enable_thinking=bool(think))
+    if template.kind == "go":
+        return gotemplate.render_messages(template.text, messages)
+    return "\n".join(str(m.get("content") or "") for m in messages)  # rule 4: the bare prompt
 
 
 class EngineRunner:
@@ -70,8 +101,8 @@ class EngineRunner:
         except BaseException:
             self.model.close()
             raise
-        self.template = _jinja_template(local_model, self.metadata)
-        self.has_thinking = bool(self.template and "enable_thinking" in self.template)
+        self.template = select_template(local_model, self.metadata)
+        self.has_thinking = self.template.kind == "jinja" and "enable_thinking" in self.template.text
         self.size = os.path.getsize(local_model.gguf_path)
         self.size_vram = 0
 
@@ -81,11 +112,7 @@ class EngineRunner:
         return Context(self.model, n_ctx=self.context_length, threads=self.threads)
 
     def render_chat(self, messages: list[dict], think: bool | None) -> str:
-        from dgemma_engine.chat import render_chat
-
-        if self.template is None:  # §4.6 rule 4: the bare prompt
-            return "\n".join(str(m.get("content") or "") for m in messages)
-        return render_chat(self.template, messages, add_generation_prompt=True, enable_thinking=bool(think))
+        return render_prompt(self.template, messages, think)
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, special=True))
