@@ -161,13 +161,17 @@ async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
             if await request.is_disconnected():
                 log.info("client left while queued (499)")
                 raise ClientGone()
-    finally:
-        if not task.done():
-            task.cancel()
-            try:
-                await task
-            except BaseException:  # noqa: BLE001  (its outcome no longer matters)
-                pass
+    except BaseException:
+        task.cancel()
+        try:
+            result = await task
+        except BaseException:  # noqa: BLE001  (its outcome no longer matters)
+            pass
+        else:  # it finished just before the cancel landed: give back what it acquired
+            release = getattr(result, "release", None)
+            if release is not None:
+                release()
+        raise
 
 
 async def collect(request: Request, stream: WorkerStream) -> list[Any]:
