@@ -200,6 +200,8 @@ def test_create_refuses_server_side_paths(served, tmp_path):
                  {"model": "m", "files": {"/abs/model.gguf": digest(data)}},
                  {"model": "m", "files": {"../model.gguf": digest(data)}},
                  {"model": "m", "files": {"C:\\model.gguf": digest(data)}},
+                 {"model": "m", "from": "/etc/passwd", "stream": False},
+                 {"model": "m", "from": "../../outside.gguf", "stream": False},
                  {"model": "m"}]:
         r = HTTP.post(url + "/api/create", json=body)
         assert r.status_code == 400, body
