@@ -180,3 +180,20 @@ def test_no_server_starts_one_in_process(setup, tmp_path):
     first, error = result.stderr.strip().splitlines()
     assert first.startswith("no dgemma server at http://127.0.0.1:") and "started one in-process" in first
     assert error == 'Error: model architecture "llama" is not supported by dgemma'
+
+
+THOUGHT_ANSWER = "<|channel>thought\nLet me think.<channel|>The answer."
+
+
+def test_thinking_shown_then_hidden(setup):
+    b = setup.behaviour
+    b.answer = THOUGHT_ANSWER
+    try:
+        shown = run_cli(["run", "tiny", "--think", "hi"], setup.env())
+        hidden = run_cli(["run", "tiny", "--think", "--hidethinking", "hi"], setup.env())
+    finally:
+        b.answer = ANSWER
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout == "Thinking...\nLet me think.\n...done thinking.\n\nThe answer.\n"  # no colours off-terminal
+    assert hidden.returncode == 0, hidden.stderr
+    assert hidden.stdout == "The answer.\n"
