@@ -29,6 +29,12 @@ class Progress:
     total: int
     canvas: int  # 1-based
     preview: str | None = None
+    # Live-view extras (additive, preview chunks only): the step's mean entropy and accepted count, the draft as one
+    # string per canvas position, and which positions the sampler kept (when the generation loop reports it).
+    entropy: float | None = None
+    accepted: int | None = None
+    tokens: list[str] | None = None
+    accepted_mask: list[bool] | None = None
 
 
 @dataclass
@@ -225,8 +231,16 @@ def run_generation(
                 steps += 1
                 first_step_at = first_step_at or time.perf_counter()
                 if sampler.progress:
-                    preview = runner.detokenize(list(event.argmax_ids)) if sampler.preview else None
-                    yield Progress(int(event.step), int(event.max_steps), int(event.canvas_index) + 1, preview)
+                    progress = Progress(int(event.step), int(event.max_steps), int(event.canvas_index) + 1)
+                    if sampler.preview:
+                        draft = list(event.argmax_ids)
+                        mask = getattr(event, "accepted_mask", None)
+                        progress.preview = runner.detokenize(draft)
+                        progress.entropy = float(event.mean_entropy)
+                        progress.accepted = int(event.accepted)
+                        progress.tokens = [runner.detokenize([token]) for token in draft]
+                        progress.accepted_mask = [bool(a) for a in mask] if mask is not None else None
+                    yield progress
             elif kind == "canvas":
                 canvases += 1
                 last_commit_at = time.perf_counter()

@@ -325,6 +325,9 @@ async def _answer(request: Request, stream: WorkerStream, model: ResolvedModel, 
                 obj = {**payload(base(), ""), "done": False, "completed": item.completed, "total": item.total, "canvas": item.canvas}
                 if item.preview is not None:
                     obj["preview"] = item.preview
+                    extras = {"entropy": item.entropy, "accepted": item.accepted, "preview_tokens": item.tokens,
+                              "preview_accepted": item.accepted_mask}
+                    obj.update({key: value for key, value in extras.items() if value is not None})
                 return obj
             if isinstance(item, Final):
                 return final(item)
