@@ -41,6 +41,7 @@ def digest_of(data: bytes) -> str:
 class Faults:
     require_token: bool = False  # answer 401 + Bearer challenge without `Authorization: Bearer <TOKEN>`
     token_realm: str | None = None  # realm URL to advertise (default: this server's /token)
+    token_body: bytes | None = None  # raw /token answer (default: {"token": TOKEN})
     ignore_range: bool = False  # answer ranged requests with 200 and the whole body
     drop_after: dict[str, int] = field(default_factory=dict)  # digest -> drop the connection after N body bytes
     drop_times: int = 1  # how many responses are dropped (per digest)
@@ -95,6 +96,16 @@ class FakeRegistry:
             rest = path.split("://", 1)[1]
             scope = {**scope, "path": "/" + rest.split("/", 1)[1] if "/" in rest else "/", "raw_path": None}
         await self.routes(scope, receive, send)
+
+    def reset(self) -> None:
+        """Forget content, faults and logs (lets a test module share one running server between tests)."""
+        self.blobs.clear()
+        self.manifests.clear()
+        self.faults = Faults()
+        self.log.clear()
+        self.proxied.clear()
+        self._drops.clear()
+        self._stalls.clear()
 
     # ---- content -----------------------------------------------------------------------------------------------
 
@@ -184,6 +195,8 @@ class FakeRegistry:
 
     async def _token(self, request: StarletteRequest) -> Response:
         self._record(request)
+        if self.faults.token_body is not None:
+            return Response(self.faults.token_body, media_type="application/json")
         return JSONResponse({"token": TOKEN})
 
     async def _manifest(self, request: StarletteRequest) -> Response:

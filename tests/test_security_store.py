@@ -69,22 +69,20 @@ def test_blob_path_refuses_a_symlink_out_of_blobs(tmp_path):
 
 @pytest.mark.parametrize("bad_digest", ["sha256:../../../outside", "sha256-" + "a" * 63, f"sha256:{HEX}/../../x"])
 @pytest.mark.parametrize("where", ["layer", "config"])
-def test_traversal_digest_in_a_pulled_manifest_is_refused_before_any_write(tmp_path, monkeypatch, bad_digest, where):
+def test_traversal_digest_in_a_pulled_manifest_is_refused_before_any_write(reg, tmp_path, bad_digest, where):
     store = Store(tmp_path / "store")
-    with FakeRegistry() as reg:
-        monkeypatch.setenv("DGEMMA_REGISTRY_ALLOW", reg.host)
-        good = {"mediaType": MEDIA_MODEL, "digest": "sha256:" + HEX, "size": 10}
-        bad = {"mediaType": MEDIA_MODEL, "digest": bad_digest, "size": 10}
-        manifest = {"schemaVersion": 2, "config": bad if where == "config" else good, "layers": [bad if where == "layer" else good]}
-        reg.set_manifest("library", "m", "latest", json.dumps(manifest).encode())
-        before = snapshot(tmp_path)
-        with pytest.raises(DgemmaError, match="invalid digest"):
-            list(pull(f"{reg.host}/library/m", store, insecure=True, options=opts()))
-        assert snapshot(tmp_path) == before
-        assert [r.path for r in reg.log] == ["/v2/library/m/manifests/latest"]
+    good = {"mediaType": MEDIA_MODEL, "digest": "sha256:" + HEX, "size": 10}
+    bad = {"mediaType": MEDIA_MODEL, "digest": bad_digest, "size": 10}
+    manifest = {"schemaVersion": 2, "config": bad if where == "config" else good, "layers": [bad if where == "layer" else good]}
+    reg.set_manifest("library", "m", "latest", json.dumps(manifest).encode())
+    before = snapshot(tmp_path)
+    with pytest.raises(DgemmaError, match="invalid digest"):
+        list(pull(f"{reg.host}/library/m", store, insecure=True, options=opts()))
+    assert snapshot(tmp_path) == before
+    assert [r.path for r in reg.log] == ["/v2/library/m/manifests/latest"]
 
 
-def test_digest_mismatch_cleanup_touches_only_validator_paths(tmp_path, monkeypatch):
+def test_digest_mismatch_cleanup_touches_only_validator_paths(reg, tmp_path):
     blob = tiny_gguf_bytes(tmp_path)
     digest = digest_of(blob)
     store = Store(tmp_path / "store")
@@ -92,14 +90,14 @@ def test_digest_mismatch_cleanup_touches_only_validator_paths(tmp_path, monkeypa
     bystanders = [store.blobs_dir / "unrelated-file", tmp_path / f"sha256-{digest[7:]}-partial"]
     for p in bystanders:
         p.write_bytes(b"keep me")
-    with FakeRegistry() as reg:
-        monkeypatch.setenv("DGEMMA_REGISTRY_ALLOW", reg.host)
-        reg.add_model("library/m:latest", [(MEDIA_MODEL, blob)])
-        reg.faults.corrupt = {digest}
-        with pytest.raises(DgemmaError, match="digest mismatch"):
-            list(pull(f"{reg.host}/library/m", store, insecure=True, options=opts()))
+    raw = reg.add_model("library/m:latest", [(MEDIA_MODEL, blob)])
+    config_digest = json.loads(raw)["config"]["digest"]
+    reg.faults.corrupt = {digest}
+    with pytest.raises(DgemmaError, match="digest mismatch"):
+        list(pull(f"{reg.host}/library/m", store, insecure=True, options=opts()))
     assert all(p.read_bytes() == b"keep me" for p in bystanders)
-    assert sorted(p.name for p in store.blobs_dir.iterdir()) == sorted(["unrelated-file", f"sha256-{digest_of(reg.blobs[next(iter(reg.blobs))])[7:]}"])
+    # Only the (verified) config blob was added; the bad layer's partial and sidecars are gone.
+    assert sorted(p.name for p in store.blobs_dir.iterdir()) == sorted(["unrelated-file", f"sha256-{config_digest[7:]}"])
 
 
 # ---- B. names ------------------------------------------------------------------------------------------------------
@@ -258,13 +256,22 @@ def test_gate_refuses_non_regular_files_without_blocking(tmp_path):
 
 # ---- E. registry client --------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def reg(monkeypatch):
+@pytest.fixture(scope="module")
+def servers():
     with FakeRegistry() as registry, FakeRegistry(blobs=registry.blobs) as cdn:
-        monkeypatch.setenv("DGEMMA_REGISTRY_ALLOW", f"{registry.host},{cdn.host}")
-        monkeypatch.delenv("DGEMMA_REGISTRY_MIRRORS", raising=False)
         registry.cdn = cdn
-        yield registry
+        yield registry, cdn
+
+
+@pytest.fixture
+def reg(servers, monkeypatch):
+    """The module's registry + CDN pair, emptied for this test."""
+    registry, cdn = servers
+    registry.reset()
+    cdn.reset()
+    monkeypatch.setenv("DGEMMA_REGISTRY_ALLOW", f"{registry.host},{cdn.host}")
+    monkeypatch.delenv("DGEMMA_REGISTRY_MIRRORS", raising=False)
+    return registry
 
 
 def _pull(reg, store, name="library/m:latest", **kw):
@@ -318,15 +325,7 @@ def test_hostile_manifests_give_clean_errors(reg, tmp_path, manifest, message):
 def test_token_response_is_capped(reg, tmp_path, monkeypatch):
     reg.add_model("library/m:latest", [(MEDIA_MODEL, tiny_gguf_bytes(tmp_path))])
     reg.faults.require_token = True
-    from starlette.responses import Response
-
-    async def huge_token(request):
-        return Response(b'{"token":"' + b"a" * (100 << 10) + b'"}', media_type="application/json")
-
-    reg.routes.router.routes = [r for r in reg.routes.router.routes if getattr(r, "path", "") != "/token"]
-    from starlette.routing import Route
-
-    reg.routes.router.routes.append(Route("/token", huge_token))
+    reg.faults.token_body = b'{"token":"' + b"a" * (100 << 10) + b'"}'
     with pytest.raises(DgemmaError, match="token response is too large"):
         _pull(reg, Store(tmp_path / "store"))
 
