@@ -1,0 +1,81 @@
+"""`dgemma debug generate`: one generation from token ids, printed as JSON in transformers' terms.
+
+Output: {"sequence": [...prompt and generated ids...], "steps_per_canvas": [...]}. With --rng torch the sequence is
+what `DiffusionGemmaForBlockDiffusion.generate(...).sequences[0]` returns for the same weights, prompt, seed and
+sampler settings: whole canvases, the first EOS kept and pad after it (when the GGUF defines a pad id).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any, Sequence, TextIO
+
+from dgemma_engine.errors import EngineError
+from dgemma_engine.generate import (CanvasEvent, SamplerParams, eos_ids_from_metadata, generate,
+                                    torch_compatible_sequence)
+from dgemma_engine.model import Context, Model
+
+
+def run_debug_generation(model: Model, prompt_ids: Sequence[int], params: SamplerParams, max_new_tokens: int,
+                         eos_ids: Sequence[int] | None = None, pad_id: int | None = -1,
+                         threads: int | None = None) -> dict[str, Any]:
+    """Generate on a loaded model; returns {"sequence", "steps_per_canvas"}. eos_ids None: the GGUF's stop ids
+    (eos_ids_from_metadata); pad_id -1: the GGUF's padding id (None: no padding after EOS)."""
+    if not prompt_ids:
+        raise EngineError("--prompt-ids must not be empty")
+    C = model.hparams.canvas_length
+    if eos_ids is None:
+        eos_ids = eos_ids_from_metadata(model.metadata)
+    if pad_id == -1:
+        pad = model.metadata.get("tokenizer.ggml.padding_token_id")
+        pad_id = int(pad) if pad is not None else None
+    n_ctx = len(prompt_ids) + math.ceil(max_new_tokens / C) * C
+    canvases: list[CanvasEvent] = []
+    with Context(model, n_ctx=n_ctx, threads=threads) as ctx:
+        for event in generate(ctx, prompt_ids, params, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                              threads=threads):
+            if isinstance(event, CanvasEvent):
+                canvases.append(event)
+    return {"sequence": torch_compatible_sequence(prompt_ids, canvases, pad_id),
+            "steps_per_canvas": [ev.steps for ev in canvases]}
+
+
+def debug_generate(model: str | os.PathLike, prompt_ids: list[int], seed: int = 0, rng: str = "fast",
+                   max_new_tokens: int = 256, steps: int | None = None, t_max: float | None = None,
+                   t_min: float | None = None, entropy_bound: float | None = None,
+                   confidence_threshold: float | None = None, stability_threshold: int | None = None,
+                   threads: int | None = None, eos_ids: Sequence[int] | None = None,
+                   out: TextIO | None = None) -> dict[str, Any]:
+    """Load the GGUF, generate, print the JSON line to `out` (stdout) and return it as a dict."""
+    if rng not in ("torch", "fast"):
+        raise EngineError(f"--rng must be 'torch' or 'fast', got {rng!r}")
+    if max_new_tokens < 1:
+        raise EngineError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if seed < 0:
+        raise EngineError(f"--seed must be >= 0, got {seed}")
+    with Model.load(model, threads=threads) as m:
+        params = SamplerParams.from_metadata(
+            m.metadata, max_steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
+            confidence_threshold=confidence_threshold, stability_threshold=stability_threshold, seed=seed, rng=rng)
+        _validate(params)
+        result = run_debug_generation(m, prompt_ids, params, max_new_tokens, eos_ids=eos_ids, threads=threads)
+    stream = out if out is not None else sys.stdout
+    stream.write(json.dumps(result) + "\n")
+    stream.flush()
+    return result
+
+
+def _validate(p: SamplerParams) -> None:
+    """The checks transformers' DiffusionGemmaGenerationConfig.validate makes, as one-line errors."""
+    if p.max_steps < 1:
+        raise EngineError(f"--steps must be a positive integer, got {p.max_steps}")
+    if not (0 <= p.t_min < p.t_max < float("inf")):
+        raise EngineError(f"temperatures must satisfy 0 <= t_min < t_max (got t_min {p.t_min}, t_max {p.t_max})")
+    if not p.entropy_bound > 0:
+        raise EngineError(f"--entropy-bound must be > 0, got {p.entropy_bound}")
+    if not p.confidence_threshold > 0:
+        raise EngineError(f"--confidence-threshold must be > 0, got {p.confidence_threshold}")
+    if p.stability_threshold < 0:
+        raise EngineError(f"--stability-threshold must be >= 0, got {p.stability_threshold}")

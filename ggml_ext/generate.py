@@ -1,0 +1,251 @@
+"""Block-diffusion generation loop (shared/spec/model.md §e.1) on an engine `Context`, as a generator of typed events.
+
+    params = SamplerParams.from_metadata(model.metadata, seed=42)
+    for event in generate(ctx, prompt_ids, params, max_new_tokens=256, tokenizer=tok):
+        match event:
+            case StepEvent():   ...   # one denoising step: live "draft" (argmax canvas), entropy, accepted count
+            case CanvasEvent(): ...   # a committed canvas: ids up to the first EOS, its stream-safe text
+            case DoneEvent():   ...   # why it ended, timings
+
+Per canvas: C uniform tokens, then up to N steps (decoder step -> sampler), the first without self-conditioning and
+each later one self-conditioned on the previous step's logits / T_prev (kept inside the engine). A canvas ends when
+the argmax canvas is stable and confident, or after N steps; its last argmax canvas is committed. A canvas containing
+an EOS id ends generation; otherwise it is appended to the cache by one causal encoder pass (never a re-prefill).
+"""
+from __future__ import annotations
+
+import math
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from dgemma_engine.errors import EngineError
+from dgemma_engine.sampler import Sampler
+
+# transformers' DiffusionGemmaGenerationConfig defaults = the released generation_config.json values.
+RELEASED_DEFAULTS = dict(max_steps=48, t_min=0.4, t_max=0.8, entropy_bound=0.1, confidence_threshold=0.005,
+                         stability_threshold=1)
+# GGUF key for each sampler field (written by the converter from generation_config.json; optional in a file).
+METADATA_KEYS = {
+    "max_steps": "diffusion.eb_max_steps",
+    "t_min": "diffusion.eb_t_min",
+    "t_max": "diffusion.eb_t_max",
+    "entropy_bound": "diffusion.eb_entropy_bound",
+    "confidence_threshold": "diffusion.eb_confidence_threshold",
+    "stability_threshold": "diffusion.eb_stability_threshold",
+}
+# Stop ids of the released model (<eos>, <turn|>, <|tool_response>): not stored in GGUF files, see eos_ids_from_metadata.
+RELEASED_EOS_IDS = (1, 106, 50)
+RELEASED_EOS_TOKENS = ("<eos>", "<turn|>", "<|tool_response>")
+
+
+@dataclass(frozen=True)
+class SamplerParams:
+    """Entropy-bound sampler settings. seed None: a fresh random seed per generation (reported in the stats)."""
+
+    max_steps: int = 48
+    t_min: float = 0.4
+    t_max: float = 0.8
+    entropy_bound: float = 0.1
+    confidence_threshold: float = 0.005
+    stability_threshold: int = 1
+    seed: int | None = None
+    rng: str = "fast"          # "fast" (counter-based, parallel) or "torch" (transformers' CPU stream, bit for bit)
+    greedy: bool = False       # argmax instead of a categorical draw (reference recordings only)
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, Any], **overrides: Any) -> SamplerParams:
+        """Defaults from the GGUF's `diffusion.eb_*` keys, else the released values; `overrides` (None = not given)
+        win over both. Precedence as in the PR runtime: caller > GGUF > defaults."""
+        values: dict[str, Any] = dict(RELEASED_DEFAULTS)
+        for name, key in METADATA_KEYS.items():
+            if metadata.get(key) is not None:
+                values[name] = _scalar(metadata[key])
+        unknown = set(overrides) - {f for f in cls.__dataclass_fields__}
+        if unknown:
+            raise EngineError(f"unknown sampler setting(s): {', '.join(sorted(unknown))}")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        for name in ("max_steps", "stability_threshold"):
+            values[name] = int(values[name])
+        for name in ("t_min", "t_max", "entropy_bound", "confidence_threshold"):
+            values[name] = float(values[name])
+        return cls(**values)
+
+
+def _scalar(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def eos_ids_from_metadata(metadata: dict[str, Any]) -> tuple[int, ...]:
+    """Stop ids for a GGUF. GGUF files store a single `tokenizer.ggml.eos_token_id`; the released model stops on
+    {1 <eos>, 106 <turn|>, 50 <|tool_response>} (its generation_config.json). Rule: if the vocabulary has exactly
+    those tokens at those ids (the released Gemma 4 tokenizer), use the released set; otherwise the file's eos id
+    plus the ids of any tokens named `<turn|>` / `<|tool_response>` (a Gemma-4-style vocabulary laid out differently)."""
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    tokens = list(tokens) if tokens is not None else []
+    if len(tokens) > max(RELEASED_EOS_IDS) and all(
+            tokens[i] == name for i, name in zip(RELEASED_EOS_IDS, RELEASED_EOS_TOKENS)):
+        return RELEASED_EOS_IDS
+    ids: list[int] = []
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    if eos is not None:
+        ids.append(int(eos))
+    for name in RELEASED_EOS_TOKENS[1:]:
+        if name in tokens:
+            ids.append(tokens.index(name))
+    return tuple(dict.fromkeys(ids))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Events
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One denoising step. argmax_ids: the current draft (what would be committed if the canvas ended here)."""
+
+    canvas_index: int
+    step: int                  # 1-based within the canvas
+    max_steps: int
+    argmax_ids: list[int]
+    mean_entropy: float
+    accepted: int              # positions that kept their sampled token
+
+
+@dataclass(frozen=True)
+class CanvasEvent:
+    """A committed canvas. ids/text stop before the first EOS; `canvas` is the whole committed argmax canvas."""
+
+    canvas_index: int
+    ids: list[int]
+    text: str
+    steps: int
+    canvas: list[int] = field(default_factory=list)
+    eos_position: int | None = None    # index in `canvas` of the first EOS id, if any
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    prompt_tokens: int
+    prompt_eval_s: float
+    canvases: int
+    steps_per_canvas: list[int]
+    committed_tokens: int      # tokens delivered (before the first EOS), over all canvases
+    denoise_s: float           # end of prefill -> last commit (steps, sampling and commit passes)
+    tokens_per_s: float        # committed_tokens / denoise_s
+    seed: int = 0              # the seed actually used (drawn at random when SamplerParams.seed is None)
+
+    @property
+    def steps(self) -> int:
+        return sum(self.steps_per_canvas)
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    reason: str                # "eos" | "length" | "context" | "cancelled"
+    stats: GenerationStats
+
+
+Event = StepEvent | CanvasEvent | DoneEvent
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The loop
+
+
+def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None = None, max_new_tokens: int = 256,
+             eos_ids: Sequence[int] | None = RELEASED_EOS_IDS, tokenizer: Any = None,
+             cancel: threading.Event | None = None, threads: int | None = None) -> Iterator[Event]:
+    """Generate after `prompt_ids` (appended to whatever `ctx` has cached). Yields StepEvent per step, CanvasEvent
+    per committed canvas and one final DoneEvent. The token budget is in whole canvases: ceil(max_new_tokens / C).
+    `cancel` is checked between steps. Raises EngineError on unusable input (nothing to condition on, a prompt that
+    leaves no room for a canvas)."""
+    params = params or SamplerParams()
+    model = ctx.model
+    C = int(model.hparams.canvas_length)
+    V = int(model.hparams.n_vocab)
+    prompt = [int(t) for t in prompt_ids]
+    if max_new_tokens < 1:
+        raise EngineError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if not prompt and ctx.n_past == 0:
+        raise EngineError("empty prompt: nothing to condition the first canvas on")
+    if ctx.n_past + len(prompt) + C > ctx.n_ctx:
+        raise EngineError(f"prompt ({ctx.n_past + len(prompt)} tokens) leaves no room for a diffusion canvas "
+                          f"({C} tokens) within the context window ({ctx.n_ctx} tokens)")
+    seed = params.seed if params.seed is not None else secrets.randbits(63)
+    eos = frozenset(int(t) for t in (eos_ids or ()))
+    n_canvases = math.ceil(max_new_tokens / C)
+    decoder = tokenizer.stream_decoder() if tokenizer is not None else None
+
+    sampler = Sampler(C, V, max_steps=params.max_steps, t_min=params.t_min, t_max=params.t_max,
+                      entropy_bound=params.entropy_bound, confidence_threshold=params.confidence_threshold,
+                      stability_threshold=params.stability_threshold, seed=seed, rng=params.rng,
+                      greedy=params.greedy, threads=threads)
+    try:
+        start = time.perf_counter()
+        if prompt:
+            ctx.encode(prompt)
+        denoise_start = time.perf_counter()
+        stats = GenerationStats(prompt_tokens=len(prompt), prompt_eval_s=denoise_start - start, canvases=0,
+                                steps_per_canvas=[], committed_tokens=0, denoise_s=0.0, tokens_per_s=0.0, seed=seed)
+
+        def finish(reason: str) -> DoneEvent:
+            elapsed = time.perf_counter() - denoise_start
+            rate = stats.committed_tokens / elapsed if elapsed > 0 else 0.0
+            return DoneEvent(reason, replace(stats, denoise_s=elapsed, tokens_per_s=rate))
+
+        for b in range(n_canvases):
+            canvas = sampler.begin_canvas()
+            prev_temperature = None
+            while True:
+                if cancel is not None and cancel.is_set():
+                    yield finish("cancelled")
+                    return
+                logits = ctx.step(canvas, sc_temperature=prev_temperature)
+                result = sampler.step(logits)
+                yield StepEvent(b, result.step, params.max_steps, result.argmax.tolist(), result.mean_entropy,
+                                result.n_accepted)
+                if result.finished:
+                    break
+                canvas, prev_temperature = result.canvas, result.temperature
+
+            committed = result.argmax.tolist()
+            hits = [i for i, t in enumerate(committed) if t in eos]
+            eos_position = hits[0] if hits else None
+            ids = committed[:eos_position] if hits else committed
+            last = bool(hits) or b == n_canvases - 1 or ctx.n_past + 2 * C > ctx.n_ctx
+            text = ""
+            if decoder is not None:
+                text = decoder.feed(ids) + (decoder.flush() if last else "")
+            stats = replace(stats, canvases=b + 1, steps_per_canvas=stats.steps_per_canvas + [result.step],
+                            committed_tokens=stats.committed_tokens + len(ids))
+            yield CanvasEvent(b, ids, text, result.step, committed, eos_position)
+            if hits:
+                yield finish("eos")
+                return
+            if b == n_canvases - 1:
+                yield finish("length")
+                return
+            if ctx.n_past + 2 * C > ctx.n_ctx:  # the next canvas would not fit: no point encoding this one
+                yield finish("context")
+                return
+            ctx.encode(committed)
+    finally:
+        sampler.close()
+
+
+def torch_compatible_sequence(prompt_ids: Sequence[int], canvases: Sequence[CanvasEvent],
+                              pad_id: int | None) -> list[int]:
+    """What transformers' generate(...).sequences holds: prompt + whole committed canvases; in the canvas with the
+    first EOS, the EOS is kept and every later position becomes pad (when a pad id is defined)."""
+    seq = [int(t) for t in prompt_ids]
+    for ev in canvases:
+        canvas = list(ev.canvas)
+        if ev.eos_position is not None and pad_id is not None:
+            canvas[ev.eos_position + 1:] = [pad_id] * (len(canvas) - ev.eos_position - 1)
+        seq += canvas
+    return seq
