@@ -109,6 +109,8 @@ def test_generate_preview_and_non_streaming(make_server):
                                                        "options": {"diffusion_preview": True}}))
         previews = [line["preview"] for line in lines if "preview" in line]
         assert previews[0] == "abcdefgh"  # the draft of canvas 1, not inside `response`
+        first = next(line for line in lines if "preview" in line)
+        assert first["preview_tokens"] == list("abcdefgh") and first["accepted"] == 1
         single = c.post("/api/generate", json={"model": "tiny", "prompt": "x", "stream": False,
                                                 "options": {"diffusion_progress": True}})
         body = single.json()

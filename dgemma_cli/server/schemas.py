@@ -195,6 +195,10 @@ class GenerateResponse(ResponseModel):
     total: int | None = Field(default=None, description="diffusion progress: diffusion_steps")
     canvas: int | None = Field(default=None, description="diffusion progress: 1-based canvas index")
     preview: str | None = Field(default=None, description="diffusion_preview: decoded draft of the current canvas")
+    preview_tokens: list[str] | None = Field(default=None, description="diffusion_preview: the draft per position")
+    preview_accepted: list[bool] | None = Field(default=None, description="diffusion_preview: positions kept")
+    entropy: float | None = Field(default=None, description="diffusion_preview: mean entropy of the step")
+    accepted: int | None = Field(default=None, description="diffusion_preview: positions kept by the sampler")
 
 
 class ChatResponseMessage(ResponseModel):
