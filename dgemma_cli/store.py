@@ -490,7 +490,7 @@ class Store:
         removed: list[str] = []
         if not self.blobs_dir.is_dir():
             return removed
-        self._rename_legacy_blobs()
+        self.migrate_legacy_blobs()
         refs = {d.replace(":", "-") for d in self.referenced_digests()}
         now = time.time()
         for entry in self.blobs_dir.iterdir():
@@ -510,7 +510,8 @@ class Store:
         self._remove_empty_manifest_dirs()
         return removed
 
-    def _rename_legacy_blobs(self) -> None:
+    def migrate_legacy_blobs(self) -> None:
+        """Rename blobs stored under the legacy `sha256:<hex>` name to `sha256-<hex>` (run at startup)."""
         for entry in self.blobs_dir.glob("sha256:*"):
             try:
                 target = self.blob_path(entry.name)
