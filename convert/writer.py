@@ -8,7 +8,7 @@ temporary file is removed, so a failed conversion never leaves a half-written GG
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -24,15 +24,8 @@ class StreamingGGUFWriter:
         directory = outfile.parent if str(outfile.parent) else Path(".")
         if not directory.is_dir():
             raise ConvertError(f"output folder does not exist: {directory}")
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{outfile.name}.", suffix=".tmp", dir=directory)
-        except OSError as exc:
-            raise ConvertError(f"cannot write to {directory}: {exc}") from None
-        os.close(fd)
-        self.tmp_path = Path(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(self.tmp_path, 0o666 & ~umask)  # mkstemp's 0600 would otherwise become the output's mode
+        # The name is fixed before the file exists, so an interruption at any point can remove it (abort).
+        self.tmp_path = directory / f".{outfile.name}.{uuid.uuid4().hex[:12]}.tmp"
         self._gguf = GGUFWriter(path=None, arch=arch)
         self._expected: list[tuple[str, int]] = []  # (name, nbytes) in file order
         self._next = 0
@@ -58,6 +51,10 @@ class StreamingGGUFWriter:
 
     def begin_data(self) -> None:
         """Write header, key/values and tensor infos; afterwards only tensor data may follow."""
+        try:  # exclusive creation, never through a symlink; the mode follows the umask like any new file
+            os.close(os.open(self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
+        except OSError as exc:
+            raise ConvertError(f"cannot write to {self.tmp_path.parent}: {exc}") from None
         self._gguf.open_output_file(self.tmp_path)
         self._gguf.write_header_to_file()
         self._gguf.write_kv_data_to_file()

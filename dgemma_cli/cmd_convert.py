@@ -1,6 +1,7 @@
 """`dgemma convert HF_DIR --outfile OUT.gguf --outtype TYPE`: HF checkpoint folder -> GGUF (dgemma_convert)."""
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -19,6 +20,8 @@ def convert(
     """Convert a DiffusionGemma checkpoint to GGUF (llama.cpp PR #24423 / Unsloth layout)."""
     from dgemma_convert import convert as run_conversion
 
+    # a terminated conversion unwinds like an interrupted one: the temporary output file is removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     interactive = sys.stderr.isatty()
     progress = RichProgress() if interactive else None  # quiet when piped
     result = run_conversion(hf_dir, outfile, outtype, threads=threads, progress=progress)

@@ -153,3 +153,22 @@ def test_progress_bar_on_a_tty(ckpt, out_dir):
     assert f"{n_tensors}/{n_tensors} tensors" in screen
     assert "/s" in screen and "kB" in screen  # rate and bytes columns
     assert f"wrote {out_dir / 'out.gguf'} ({n_tensors} tensors" in screen
+
+
+def test_terminated_conversion_leaves_nothing(tmp_path, out_dir):
+    """SIGTERM while writing: the process exits and removes its temporary file."""
+    import signal
+    import time
+
+    big = text_config(num_experts=8, moe_intermediate_size=512, intermediate_size=1024)  # ~10 M weights: K-quants
+    ckpt = write_synthetic_checkpoint(tmp_path / "big", big)  # take seconds, so the signal lands mid-write
+    child = subprocess.Popen([sys.executable, "-m", "dgemma_cli.main", "convert", str(ckpt), "--outfile",
+                              str(out_dir / "out.gguf"), "--outtype", "q4_k_m", "--threads", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not list(out_dir.glob(".out.gguf.*.tmp")) and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert child.poll() is None, "conversion finished before it could be interrupted"
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=60) == 128 + signal.SIGTERM
+    assert list(out_dir.iterdir()) == []
