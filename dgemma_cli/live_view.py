@@ -95,6 +95,7 @@ class LiveView:
         """Replace the live region by the committed output (thinking dimmed unless hidden), printed once."""
         if self._live is None:
             return
+        self._live.update(Group())  # Live.stop() redraws once: make that redraw erase the region instead
         self._live.stop()
         self._live = None
         final = self.final_text()
@@ -145,12 +146,24 @@ class LiveView:
             lines = committed.wrap(self.console, self.console.width)
             parts.append(Text("\n").join(lines[-COMMITTED_TAIL_LINES:]))
         if self.draft is not None:
-            draft = Text()
-            for piece, settled in zip(self.draft.pieces, self.draft.settled):
-                draft.append(piece, style=SETTLED_STYLE if settled else RENOISED_STYLE)
-            parts.append(draft)
+            parts.append(self.draft_text())
             parts.append(Text(self.draft.counter(), style=COUNTER_STYLE))
         return Group(*parts)
+
+    def draft_text(self) -> Text:
+        """The current draft, one style per run of settled / renoised positions (few spans: cheap to render)."""
+        draft = Text()
+        if self.draft is None:
+            return draft
+        run, run_settled = "", None
+        for piece, settled in zip(self.draft.pieces, self.draft.settled):
+            if settled != run_settled and run:
+                draft.append(run, style=SETTLED_STYLE if run_settled else RENOISED_STYLE)
+                run = ""
+            run, run_settled = run + piece, settled
+        if run:
+            draft.append(run, style=SETTLED_STYLE if run_settled else RENOISED_STYLE)
+        return draft
 
     def _draw(self, now: float) -> None:
         if self._live is None:
