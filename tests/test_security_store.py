@@ -398,3 +398,49 @@ def test_declared_size_mismatch_is_rejected(reg, tmp_path):
     with pytest.raises(DgemmaError):
         _pull(reg, store)
     assert not store.has_blob(digest_of(blob)) and not store.list_models()
+
+
+# ---- property: hostile bytes never escape as anything but a clean error ------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from dgemma_cli.gguf_check import GGUFInfo  # noqa: E402
+from dgemma_cli.modelfile import ModelfileError  # noqa: E402
+
+_VALID = valid_raw_gguf()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, len(_VALID) - 1), st.integers(0, 255)), max_size=8),
+       st.integers(0, len(_VALID)))
+def test_mutated_gguf_headers_fail_cleanly(flips, cut):
+    data = bytearray(_VALID)
+    for pos, value in flips:
+        data[pos] = value
+    try:
+        info = parse_gguf(bytes(data[:cut]))
+    except GGUFError:
+        return
+    assert isinstance(info, GGUFInfo)
+    assert all(t.offset + t.nbytes <= cut for t in info.tensors)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(st.sampled_from('FROMPARAMETERSYSTEMmessageuser "#\n\t\r:xyz0129.'), max_size=80))
+def test_arbitrary_modelfile_text_fails_cleanly(text):
+    try:
+        parse_modelfile(text)
+    except ModelfileError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=40))
+def test_arbitrary_names_fail_cleanly(text):
+    try:
+        name = ModelName.parse(text)
+    except DgemmaError as exc:
+        assert str(exc) == "invalid model name"
+        return
+    assert all(part and ".." != part and "/" not in part[1:] for part in name.parts[1:])
