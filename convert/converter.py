@@ -23,6 +23,7 @@ from dgemma_convert.quantize import FLOAT_TYPES, GGMLQuantizer, OutType, choose_
 from dgemma_convert.safetensors_reader import FLOAT_DTYPES, Checkpoint, TensorEntry
 from dgemma_convert.tensor_map import TensorSpec, is_dropped, rope_freqs, source_shape_matches, tensor_specs
 from dgemma_convert.tokenizer_meta import load_tokenizer
+from dgemma_convert.writer import StreamingGGUFWriter
 
 CHUNK_ELEMENTS = 1 << 24  # 16 Mi elements per chunk: 64 MiB as float32
 RAW_CHUNK_BYTES = 64 << 20
@@ -137,8 +138,6 @@ def write_gguf(outfile: Path, metadata: list[KeyValue], tensors: list[PlannedTen
                tensor_bytes: Callable[[PlannedTensor], Iterator[bytes | np.ndarray]],
                progress: ProgressSink | None = None) -> None:
     """Write metadata and tensor infos, then each tensor's chunks; the file appears only when complete."""
-    from dgemma_convert.writer import StreamingGGUFWriter
-
     if outfile.is_dir():
         raise ConvertError(f"output path is a folder: {outfile}")
     progress = progress or ProgressSink()

@@ -45,10 +45,6 @@ class StreamingGGUFWriter:
         self._gguf.add_tensor_info(name, tuple(reversed(ne)), np.dtype(np.float32), nbytes, raw_dtype=ggml_type)
         self._expected.append((name, nbytes))
 
-    def parameter_counts(self) -> tuple[int, int, int, int]:
-        """(total, shared, expert, expert_count) as gguf-py counts them, for general.size_label."""
-        return self._gguf.get_total_parameter_count()
-
     def begin_data(self) -> None:
         """Write header, key/values and tensor infos; afterwards only tensor data may follow."""
         try:  # exclusive creation, never through a symlink; the mode follows the umask like any new file
