@@ -160,6 +160,21 @@ def _shortest_f32(value: float) -> float:
     return value
 
 
+_U64 = struct.Struct("<Q")
+
+
+def _skip_strings(r: _Reader, count: int, key: str) -> None:
+    """Step over `count` length-prefixed strings (a 262k-token vocabulary) without decoding them."""
+    pos, size, buf, unpack = r.pos, r.size, r.buf, _U64.unpack_from
+    for _ in range(count):
+        if pos + 8 > size:
+            raise GGUFError(f"invalid GGUF: array {key!r} extends beyond the end of the file")
+        pos += 8 + unpack(buf, pos)[0]
+        if pos > size:
+            raise GGUFError(f"invalid GGUF: array {key!r} extends beyond the end of the file")
+    r.pos = pos
+
+
 def _read_value(r: _Reader, vtype: int, key: str, depth: int = 0) -> Any:
     if vtype in _SCALARS:
         value = r.unpack(_SCALARS[vtype], f"value of {key!r}")
@@ -188,6 +203,9 @@ def _read_value(r: _Reader, vtype: int, key: str, depth: int = 0) -> Any:
             min_size = 8 if item_type == T_STRING else 12
             r.need(length * min_size, f"array {key!r}")  # each element needs at least its length prefix
             keep = length <= KEEP_ARRAY_MAX
+            if item_type == T_STRING and not keep:
+                _skip_strings(r, length, key)
+                return ArraySummary(item_type, length)
             items = [_read_value(r, item_type, key, depth + 1) for _ in range(length)] if keep else None
             if not keep:
                 for _ in range(length):

@@ -238,6 +238,21 @@ def test_valid_raw_gguf_passes_and_large_arrays_are_summarised(tmp_path):
     assert summary.length == 5000 and summary.item_type == 8
 
 
+def test_release_sized_vocabulary_header_is_checked_quickly():
+    """A 26B-like header (262144 tokens, 514906 merges) is stepped over, not decoded: well under a second."""
+    tokens = b"".join(gstr(f"tok{i}") for i in range(262144))
+    merges = b"".join(gstr(f"a{i} b{i}") for i in range(514906))
+    data = raw_gguf([kv_str("general.architecture", "diffusion-gemma"), kv_u32("diffusion.canvas_length", 256),
+                     gstr("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 262144) + tokens,
+                     gstr("tokenizer.ggml.merges") + struct.pack("<IIQ", 9, 8, 514906) + merges], [])
+    started = time.monotonic()
+    info = parse_gguf(data)
+    assert time.monotonic() - started < 1.0
+    assert info.metadata["tokenizer.ggml.merges"].length == 514906
+    with pytest.raises(GGUFError, match="extends beyond the end"):
+        parse_gguf(data[:-3])
+
+
 def test_wrong_architecture_is_refused_by_the_gate(tmp_path):
     path = tmp_path / "llama.gguf"
     path.write_bytes(tiny_gguf_bytes(tmp_path, arch="llama"))
