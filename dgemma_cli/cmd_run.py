@@ -43,6 +43,7 @@ class RunSettings:
     format: str | None = None
     insecure: bool = False
     system: str | None = None
+    progress: bool = True  # spinner with canvas/step counters while no text has arrived
 
     def request(self, **body: Any) -> dict[str, Any]:
         """A generate/chat request body with the current options (progress chunks requested when `progress`)."""
@@ -171,7 +172,7 @@ class Output:
         return self.settings.visual and self.interactive_ui
 
     def wants_progress(self) -> bool:
-        return self.visual or (self.interactive_ui and is_tty(self.err))
+        return self.visual or (self.settings.progress and self.interactive_ui and is_tty(self.err))
 
 
 def stream_answer(chunks: Iterator[dict[str, Any]], output: Output) -> tuple[dict[str, Any] | None, str]:
@@ -182,7 +183,8 @@ def stream_answer(chunks: Iterator[dict[str, Any]], output: Output) -> tuple[dic
     width = shutil.get_terminal_size((80, 24)).columns
     printer = AnswerPrinter(out=output.out, color=tty, hide_thinking=settings.hide_thinking,
                             wrap_width=width - 1 if (tty and settings.wordwrap and output.interactive_ui) else None)
-    spinner = Spinner(output.err, enabled=output.interactive_ui and is_tty(output.err) and not output.visual)
+    spinner = Spinner(output.err, enabled=settings.progress and output.interactive_ui and is_tty(output.err)
+                      and not output.visual)
     live = None
     if output.visual:
         from rich.console import Console
@@ -300,6 +302,7 @@ def run(
     prompt: Optional[list[str]] = typer.Argument(None, help="prompt (omit for an interactive chat)"),
     verbose: bool = typer.Option(False, "--verbose", help="show timings after each answer"),
     visual: bool = typer.Option(False, "--visual", "--preview", help="show the canvas denoising live"),
+    no_progress: bool = typer.Option(False, "--no-progress", help="no spinner while a canvas is denoised"),
     think: Optional[str] = typer.Option(None, "--think", help="enable thinking: true, false, low, medium, high, max"),
     hidethinking: bool = typer.Option(False, "--hidethinking", help="do not print the thinking block"),
     keepalive: Optional[str] = typer.Option(None, "--keepalive", help="how long the model stays loaded (e.g. 5m)"),
@@ -324,7 +327,7 @@ def run(
     ) if value is not None}
     settings = RunSettings(model=model, options=options, think=parse_think(think), hide_thinking=hidethinking,
                            keep_alive=keepalive, verbose=verbose, visual=visual, wordwrap=not nowordwrap,
-                           format=format, insecure=insecure)
+                           format=format, insecure=insecure, progress=not no_progress)
     words = list(prompt or [])
     interactive = not words and is_tty(sys.stdin) and is_tty(sys.stdout)
     text = None
