@@ -53,23 +53,27 @@ def timing_block(final: dict[str, Any]) -> str:
 
 
 class WordWrapper:
-    """Streaming word wrap at `width` columns: a word that would cross the edge starts a new line. Words are held
-    until the space or newline after them arrives (`flush()` releases the last one)."""
+    """Streaming word wrap at `width` columns: a word that would cross the edge starts a new line (the spaces before
+    it are dropped, so lines carry no trailing blanks). Words and spaces are held until the next character that
+    decides their place arrives; `flush()` releases the last word."""
 
     def __init__(self, width: int):
         self.width = max(10, width)
         self.column = 0
         self.word = ""
+        self.spaces = 0
 
     def _place_word(self) -> str:
+        if not self.word:
+            return ""
         out = ""
-        if self.word:
-            if self.column and self.column + len(self.word) > self.width:
-                out += "\n"
-                self.column = 0
-            out += self.word
-            self.column += len(self.word)
-            self.word = ""
+        if self.column and self.column + self.spaces + len(self.word) > self.width:
+            out, self.column = "\n", 0
+        else:
+            out, self.column = " " * self.spaces, self.column + self.spaces
+        out += self.word
+        self.column += len(self.word)
+        self.word, self.spaces = "", 0
         return out
 
     def feed(self, text: str) -> str:
@@ -77,15 +81,10 @@ class WordWrapper:
         for ch in text:
             if ch == "\n":
                 out += self._place_word() + "\n"
-                self.column = 0
+                self.column = self.spaces = 0
             elif ch == " ":
                 out += self._place_word()
-                if self.column >= self.width:
-                    out += "\n"
-                    self.column = 0
-                else:
-                    out += " "
-                    self.column += 1
+                self.spaces += 1
             else:
                 self.word += ch
         return out

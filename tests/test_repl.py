@@ -167,6 +167,20 @@ def test_show_load_save_help(setup):
         child.close()
     assert child.exitstatus == 0
 
+    # The saved model replays its MESSAGEs (user turns as `>>> text`), and the server puts them before new turns.
+    child = pexpect.spawn(sys.executable, ["-m", "dgemma_cli.main", "run", "my-session"], env=setup.env(TERM="xterm"),
+                          cwd=str(REPO), encoding="utf-8", timeout=30, dimensions=(40, 120))
+    try:
+        child.expect_exact(">>> hello")
+        child.expect_exact(ANSWER)
+        child.expect_exact(PROMPT)
+        say(child, "next", ANSWER)
+        assert setup.behaviour.last_prompt[-1] == f"<system>Saved system.<user>hello<assistant>{ANSWER}<user>next<assistant>"
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+
 
 def test_ctrl_c_cancels_generation_then_prompts_again(setup):
     b = setup.behaviour

@@ -157,12 +157,13 @@ def test_error_server_rejects_option(setup):
 
 
 def test_ps_and_stop(setup):
-    assert run_cli(["run", "tiny", ""], setup.env()).returncode == 0
+    assert run_cli(["run", "tiny", "", "--keepalive", "10m"], setup.env()).returncode == 0
     result = run_cli(["ps"], setup.env())
     assert result.returncode == 0, result.stderr
     header, *rows = result.stdout.splitlines()
     assert header.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
-    assert any(row.startswith("tiny:latest ") and "100% CPU" in row and "from now" in row for row in rows), rows
+    (row,) = [row for row in rows if row.startswith("tiny:latest ")]
+    assert "100% CPU" in row and re.search(r"(9|10) minutes from now$", row), row  # --keepalive reached the server
     assert run_cli(["stop", "tiny"], setup.env()).returncode == 0
     assert_one_line_error(run_cli(["stop", "no-such-model"], setup.env()), 'couldn\'t find model "no-such-model" to stop')
 

@@ -1,0 +1,100 @@
+"""Output pieces of `dgemma run`: the `--verbose` block (spec §1.2 example), streaming word wrap, the thinking block,
+`/show info` tables, and `ps` columns."""
+from __future__ import annotations
+
+import io
+from datetime import datetime, timedelta, timezone
+
+from dgemma_cli.cmd_run import _processor, _until, parse_think
+from dgemma_cli.render import AnswerPrinter, WordWrapper, show_info_text, timing_block
+
+
+def test_timing_block_matches_the_spec_example():
+    final = {"total_duration": 5216743012, "load_duration": 12480000, "prompt_eval_count": 26,
+             "prompt_eval_duration": 130200000, "eval_count": 259, "eval_duration": 4230000000,
+             "denoise_steps": 37, "canvases": 2}
+    assert timing_block(final).splitlines() == [
+        "total duration:       5.216743012s",
+        "load duration:        12.48ms",
+        "prompt eval count:    26 token(s)",
+        "prompt eval duration: 130.2ms",
+        "prompt eval rate:     199.69 tokens/s",
+        "eval count:           259 token(s)",
+        "eval duration:        4.23s",
+        "eval rate:            61.23 tokens/s",
+        "denoise steps:        37",
+        "canvases:             2",
+        "steps per canvas:     18.50",
+        "denoise rate:         8.75 steps/s",
+    ]
+
+
+def test_timing_block_omits_zero_values():
+    lines = timing_block({"total_duration": 950000, "eval_count": 0, "denoise_steps": 0}).splitlines()
+    assert lines == ["total duration:       950µs"]
+
+
+def wrap(text: str, width: int, pieces: int = 3) -> str:
+    wrapper = WordWrapper(width)
+    step = max(1, len(text) // pieces)
+    out = "".join(wrapper.feed(text[i:i + step]) for i in range(0, len(text), step))
+    return out + wrapper.flush()
+
+
+def test_word_wrap_breaks_before_words_that_cross_the_edge():
+    text = "The quick brown fox jumps over the lazy dog.\nNew paragraph here."
+    out = wrap(text, 20)
+    assert out == "The quick brown fox\njumps over the lazy\ndog.\nNew paragraph here."
+    assert all(len(line) <= 20 for line in out.splitlines())
+    assert out.replace("\n", " ").split() == text.replace("\n", " ").split()  # no text lost or reordered
+    assert wrap("x" * 30 + " y", 20) == "x" * 30 + "\ny"  # an over-long word stands alone
+
+
+def test_thinking_block_then_answer_and_hidden_thinking():
+    out = io.StringIO()
+    printer = AnswerPrinter(out=out)
+    for piece in ("Let me ", "think."):
+        printer.thinking(piece)
+    printer.content("The answer.")
+    printer.finish()
+    assert out.getvalue() == "Thinking...\nLet me think.\n...done thinking.\n\nThe answer.\n"
+    hidden = io.StringIO()
+    printer = AnswerPrinter(out=hidden, hide_thinking=True)
+    printer.thinking("secret")
+    printer.content("The answer.")
+    printer.finish()
+    assert hidden.getvalue() == "The answer.\n"
+    colored = io.StringIO()
+    printer = AnswerPrinter(out=colored, color=True)
+    printer.thinking("t")
+    printer.content("a")
+    printer.finish()
+    assert colored.getvalue() == "\x1b[2mThinking...\nt\n...done thinking.\n\n\x1b[0ma\n"
+
+
+def test_show_info_tables():
+    show = {"details": {"family": "diffusion-gemma", "parameter_size": "25.8B", "quantization_level": "Q4_K_M"},
+            "model_info": {"general.architecture": "diffusion-gemma", "diffusion-gemma.context_length": 262144,
+                           "diffusion-gemma.embedding_length": 2816, "diffusion.canvas_length": 256,
+                           "diffusion.eb_max_steps": 48, "diffusion.eb_t_max": 0.8, "diffusion.eb_t_min": 0.4},
+            "capabilities": ["completion", "diffusion"], "parameters": 'stop                           "<turn|>"',
+            "system": "Be brief.\nBe kind.\nBe right."}
+    text = show_info_text(show)
+    assert "  Model\n    architecture        diffusion-gemma\n    parameters          25.8B\n" in text
+    assert "    context length      262144\n" in text and "    quantization        Q4_K_M\n" in text
+    assert "  Diffusion\n    canvas length           256\n    max denoising steps     48\n" in text
+    assert "    temperature schedule    0.8 → 0.4\n" in text
+    assert '  Parameters\n    stop    "<turn|>"\n' in text
+    assert "  System\n    Be brief.\n    Be kind.\n    ...\n" in text
+
+
+def test_ps_columns():
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    assert _until((now + timedelta(minutes=4, seconds=30)).isoformat(), now) == "4 minutes from now"
+    assert _until((now + timedelta(days=365 * 290)).isoformat(), now) == "Forever"
+    assert _until((now - timedelta(seconds=1)).isoformat(), now) == "Stopping..."
+    assert (_processor(100, 100), _processor(100, 0), _processor(100, 52)) == ("100% GPU", "100% CPU", "48%/52% CPU/GPU")
+
+
+def test_think_values():
+    assert [parse_think(v) for v in (None, "true", "False", "high", "max")] == [None, True, False, "high", "max"]
