@@ -4,9 +4,6 @@ import pytest
 
 from server_harness import ServeProcess
 
-EXTRA = {"seed": 3}  # sent as a normal OpenAI field; sampling fields are forwarded only when sent
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, gguf_path):
     import ollama
@@ -15,7 +12,8 @@ def served(tmp_path_factory, gguf_path):
     with ServeProcess(root / "models", {"DGEMMA_NOPRUNE": "1"}) as server:
         setup = ollama.Client(host=server.url)
         digest = setup.create_blob(gguf_path("tiny-a", "f32"))
-        setup.create(model="tiny", files={"tiny-a.gguf": digest})
+        # PARAMETER diffusion_steps 4 keeps each request short: OpenAI requests carry no diffusion options.
+        setup.create(model="tiny", files={"tiny-a.gguf": digest}, parameters={"diffusion_steps": 4})
         setup.create(model="hf.co/someone/tiny-GGUF:Q8_0", from_="tiny", parameters={"diffusion_steps": 4})
         yield server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
