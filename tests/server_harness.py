@@ -67,6 +67,7 @@ class FakeBehaviour:
     load_delay: float = 0.0
     canvas_length: int = 8
     crash_at_step: int | None = None
+    has_thinking: bool = True
     loads: int = 0
     closes: int = 0
     generations: int = 0
@@ -89,7 +90,7 @@ class FakeRunner:
         self.size = 1234
         self.size_vram = 0
         self.metadata: dict[str, Any] = {"general.architecture": "diffusion-gemma"}
-        self.has_thinking = True
+        self.has_thinking = behaviour.has_thinking
 
     def render_chat(self, messages: list[dict], think: bool | None) -> str:
         text = "".join(f"<{m['role']}>{m.get('content', '')}" for m in messages)

@@ -394,3 +394,30 @@ def test_per_request_go_template(make_server):
         assert r.status_code == 400 and r.json()["error"].startswith("template error")
         r = c.post("/api/generate", json={"model": "tiny", "prompt": "hi", "raw": True, "stream": False})
         assert r.status_code == 200 and behaviour.last_prompt[-1] == "hi" and "context" not in r.json()
+
+
+def test_thinking_goes_to_its_own_field(make_server):
+    answer = "<|channel>thought\nweigh options<channel|>Final answer."
+    server, behaviour, _ = make_server(behaviour=FakeBehaviour(answer=answer))
+    with client(server) as c:
+        body = c.post("/api/chat", json={"model": "tiny", "think": True, "stream": False,
+                                         "messages": [{"role": "user", "content": "q"}]}).json()
+        assert body["message"] == {"role": "assistant", "content": "Final answer.", "thinking": "weigh options"}
+        assert behaviour.last_prompt[-1].endswith("<think><assistant>")  # the template's thinking switch was on
+        lines = ndjson(c.post("/api/generate", json={"model": "tiny", "prompt": "q", "think": "high"}))
+        assert "".join(line.get("thinking", "") for line in lines) == "weigh options"
+        assert "".join(line["response"] for line in lines) == "Final answer."
+        oai = c.post("/v1/chat/completions", json={"model": "tiny", "reasoning_effort": "low",
+                                                   "messages": [{"role": "user", "content": "q"}]}).json()
+        assert oai["choices"][0]["message"] == {"role": "assistant", "content": "Final answer.",
+                                                "reasoning": "weigh options"}
+        plain = c.post("/api/chat", json={"model": "tiny", "think": False, "stream": False,
+                                          "messages": [{"role": "user", "content": "q"}]}).json()
+        assert plain["message"]["content"] == answer  # not asked to think: the text is left alone
+        assert c.post("/api/chat", json={"model": "tiny", "think": "very", "messages": [
+            {"role": "user", "content": "q"}]}).status_code == 400
+    behaviour.has_thinking = False
+    with client(server) as c:
+        c.post("/api/generate", json={"model": "tiny", "keep_alive": 0})  # reload with the new behaviour
+        r = c.post("/api/chat", json={"model": "tiny", "think": True, "messages": [{"role": "user", "content": "q"}]})
+        assert r.status_code == 400 and r.json() == {"error": '"tiny" does not support thinking'}
