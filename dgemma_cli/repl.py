@@ -76,7 +76,12 @@ HELP_SHORTCUTS = """Available keyboard shortcuts:
 
 
 def _flag_env(name: str) -> bool:
-    return os.environ.get(name, "").strip().strip("\"'").lower() in ("1", "true", "yes", "on")
+    from dgemma_cli.server.config import parse_bool
+
+    try:
+        return parse_bool(os.environ.get(name, "").strip().strip("\"'"))
+    except DgemmaError:  # an unreadable value keeps the default (history on)
+        return False
 
 
 class History:
@@ -271,8 +276,7 @@ class Repl:
             self.set_parameter(args[1:])
         elif what == "system":
             text = line.split(None, 2)[2] if len(args) > 1 else ""
-            self.settings.system = text.strip().strip('"') if not text.startswith(TRIPLE) else text
-            self.messages = [m for m in self.messages if m["role"] != "system"]
+            self.settings.system = text.strip().strip('"')
             self.say("Set system message.")
         elif what == "think":
             level = args[1].lower() if len(args) > 1 else "true"

@@ -30,8 +30,8 @@ def setup(tmp_path_factory):
         yield FakeSetup(server, behaviour, root / "models", root, registry.url)
 
 
-def spawn(setup: FakeSetup, *args: str) -> pexpect.spawn:
-    child = pexpect.spawn(sys.executable, ["-m", "dgemma_cli.main", "run", *args], env=setup.env(TERM="xterm"),
+def spawn(setup: FakeSetup, *args: str, **env: str) -> pexpect.spawn:
+    child = pexpect.spawn(sys.executable, ["-m", "dgemma_cli.main", "run", *args], env=setup.env(TERM="xterm", **env),
                           cwd=str(REPO), encoding="utf-8", timeout=30, dimensions=(40, 120))
     child.expect_exact(PROMPT)
     return child
@@ -48,9 +48,10 @@ def say(child: pexpect.spawn, line: str, expect: str | None = None) -> str:
     return text + child.before
 
 
-def test_chat_multiline_and_history(setup):
+def test_chat_multiline_and_history(setup, tmp_path):
     b = setup.behaviour
-    child = spawn(setup, "tiny")
+    history = {"HOME": str(tmp_path), "DGEMMA_NOHISTORY": ""}
+    child = spawn(setup, "tiny", **history)
     try:
         say(child, "hello", ANSWER)
         assert b.last_prompt[-1] == "<user>hello<assistant>"
@@ -72,6 +73,20 @@ def test_chat_multiline_and_history(setup):
     finally:
         child.close()
     assert child.exitstatus == 0
+    assert "again" in (tmp_path / ".dgemma" / "history").read_text().splitlines()
+
+    child = spawn(setup, "tiny", **history)  # a new session recalls the last message with the Up key
+    try:
+        child.send("\x1b[A")
+        child.expect_exact("again")
+        child.send("\r")
+        child.expect_exact(ANSWER)
+        child.expect_exact(PROMPT)
+        assert b.last_prompt[-1] == "<user>again<assistant>"
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
 
 
 def test_set_commands(setup):
