@@ -38,7 +38,8 @@ METADATA_KEYS = {
     "confidence_threshold": "diffusion.eb_confidence_threshold",
     "stability_threshold": "diffusion.eb_stability_threshold",
 }
-# Stop ids of the released model (<eos>, <turn|>, <|tool_response>): not stored in GGUF files, see eos_ids_from_metadata.
+# Stop ids of the released model (<eos>, <turn|>, <|tool_response>); GGUF files do not store them (see
+# eos_ids_from_metadata).
 RELEASED_EOS_IDS = (1, 106, 50)
 RELEASED_EOS_TOKENS = ("<eos>", "<turn|>", "<|tool_response>")
 
@@ -84,7 +85,8 @@ def eos_ids_from_metadata(metadata: dict[str, Any]) -> tuple[int, ...]:
     """Stop ids for a GGUF. GGUF files store a single `tokenizer.ggml.eos_token_id`; the released model stops on
     {1 <eos>, 106 <turn|>, 50 <|tool_response>} (its generation_config.json). Rule: if the vocabulary has exactly
     those tokens at those ids (the released Gemma 4 tokenizer), use the released set; otherwise the file's eos id
-    plus the ids of any tokens named `<turn|>` / `<|tool_response>` (a Gemma-4-style vocabulary laid out differently)."""
+    plus the ids of any tokens named `<turn|>` / `<|tool_response>` (a Gemma-4-style vocabulary laid out
+    differently)."""
     tokens = metadata.get("tokenizer.ggml.tokens")
     tokens = list(tokens) if tokens is not None else []
     if len(tokens) > max(RELEASED_EOS_IDS) and all(

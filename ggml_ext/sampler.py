@@ -156,7 +156,8 @@ class Sampler:
         if rc != 0:
             raise EngineError("sampler step without an active canvas (call begin_canvas first)")
         return StepResult(
-            canvas=self._canvas.copy(), argmax=self._argmax.copy(), sampled=self._sampled.copy(), entropy=self._entropy.copy(),
+            canvas=self._canvas.copy(), argmax=self._argmax.copy(), sampled=self._sampled.copy(),
+            entropy=self._entropy.copy(),
             accepted=self._accepted.astype(bool), step=info.step, temperature=float(info.temperature),
             mean_entropy=float(info.mean_entropy), n_accepted=info.n_accepted, stable=bool(info.stable),
             confident=bool(info.confident), stop=bool(info.stop), exhausted=bool(info.exhausted))

@@ -60,6 +60,7 @@ def test_replay_matches_transformers_step_by_step(name: str, run: str) -> None:
     n_p = len(rec["prompt"])
     C = index["canvas_length"]
     committed = []
+    last = None
     for k in range(len(rec["raw"])):
         if not rec["has_sc"][k]:  # a new canvas: its initial tokens are the first draws after the previous canvas
             if k:

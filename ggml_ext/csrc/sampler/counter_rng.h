@@ -31,7 +31,8 @@ static inline uint64_t dg_counter_u64(uint64_t seed, uint64_t stream, uint64_t c
 }
 
 // Uniform double in [0, 1) with 53 random bits.
-static inline double dg_counter_uniform(uint64_t seed, uint64_t stream, uint64_t canvas, uint64_t step, uint64_t index) {
+static inline double dg_counter_uniform(uint64_t seed, uint64_t stream, uint64_t canvas, uint64_t step,
+                                        uint64_t index) {
     return (double)(dg_counter_u64(seed, stream, canvas, step, index) >> 11) * (1.0 / 9007199254740992.0);
 }
 

@@ -151,7 +151,8 @@ dg_sampler *dg_sampler_create(int32_t canvas_len, int32_t n_vocab, const dg_samp
     s->accepted = malloc(C);
     s->jobs = calloc((size_t)n_threads, sizeof(row_job));
     s->threads = calloc((size_t)n_threads, sizeof(pthread_t));
-    if (!s->jobs || !s->threads || !s->history || !s->scratch || !s->draw || !s->argmax || !s->entropy || !s->ranked || !s->accepted) {
+    if (!s->jobs || !s->threads || !s->history || !s->scratch || !s->draw || !s->argmax || !s->entropy ||
+        !s->ranked || !s->accepted) {
         dg_sampler_free(s);
         set_error(err, err_len, "out of memory");
         return NULL;

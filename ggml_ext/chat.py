@@ -1,0 +1,194 @@
+"""Chat templates: render a GGUF's Jinja `tokenizer.chat_template` safely, as transformers' apply_chat_template does.
+
+Templates come from model files and Modelfiles, i.e. from strangers, so they run in jinja2's
+`ImmutableSandboxedEnvironment` (no attribute walking to Python internals, no mutation of inputs) with extra limits
+against resource abuse (huge repetitions and outputs). The helpers HF templates expect are provided with HF's
+semantics: `raise_exception`, `tojson` (no HTML escaping, ensure_ascii off), `strftime_now`, `namespace` (no
+underscore names), `dict`, loop controls and the `{% generation %}` block. Inputs are copied into plain JSON values.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from dgemma_engine.errors import EngineError
+
+MAX_OUTPUT_CHARS = 4_000_000      # a rendered prompt beyond this is an attack or a mistake
+MAX_REPEAT_ITEMS = 1_000_000      # "x" * n, [..] * n
+SPECIAL_TOKEN_KEYS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "padding_token_id",
+                      "unk_token": "unknown_token_id", "mask_token": "mask_token_id"}
+
+
+class ChatTemplateError(EngineError):
+    """A chat template that cannot be compiled or rendered (syntax, sandbox violation, raise_exception, limits)."""
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (HF's assistant-mask marker): renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller) -> str:
+        return caller()
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace(...)` that refuses underscore-prefixed names (no route to dunder attributes)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # same signature trick as jinja2's Namespace
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+
+class _LimitedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox plus bounds on `*` and `**`, the cheap ways to exhaust memory or CPU."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+        # jinja2 would return a silent Undefined (rendering as ""); an attempt to reach internals is an error here.
+        raise jinja2.exceptions.SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__} is unsafe")
+
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                repeated = isinstance(seq, (str, list, tuple)) and isinstance(n, int)
+                if repeated and len(seq) * max(n, 0) > MAX_REPEAT_ITEMS:
+                    raise jinja2.exceptions.SecurityError("repetition result too large")
+            return left * right
+        if operator == "**":
+            if isinstance(right, int) and isinstance(left, int) and abs(right) > 1000 and abs(left) > 1:
+                raise jinja2.exceptions.SecurityError("exponent too large")
+            return left ** right
+        return super().call_binop(context, operator, left, right)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _Dict:
+    """`dict(...)` for templates without exposing the dict type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True,
+                          extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _Namespace
+    env.globals["dict"] = _Dict()
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template syntax error (line {exc.lineno}): {exc.message}") from None
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """A deep copy made of JSON types only: the template can never reach methods of caller objects."""
+    if depth > 64:
+        raise ChatTemplateError("chat input nested too deeply")
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, depth + 1) for v in value]
+    raise ChatTemplateError(f"chat input contains a {type(value).__name__}, not a JSON value")
+
+
+def render_chat(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                enable_thinking: bool = False, tools: list[dict[str, Any]] | None = None, **extra: Any) -> str:
+    """Render `messages` (role/content dicts, plus optional tool_calls, thinking, ...) with a Jinja chat template.
+
+    Variables seen by the template: messages, tools (None when absent, as HF passes it), add_generation_prompt,
+    enable_thinking, plus `extra` (bos_token, eos_token, ... see special_tokens; any other template kwargs)."""
+    if not isinstance(template, str) or not template:
+        raise ChatTemplateError("the model has no chat template (use raw mode)")
+    compiled = _compile(template)
+    variables = _plain({"messages": list(messages), "tools": tools, "add_generation_prompt": add_generation_prompt,
+                        "enable_thinking": enable_thinking, **extra})
+    pieces: list[str] = []
+    size = 0
+    try:
+        for piece in compiled.generate(**variables):
+            size += len(piece)
+            if size > MAX_OUTPUT_CHARS:
+                raise ChatTemplateError(f"chat template output exceeds {MAX_OUTPUT_CHARS} characters")
+            pieces.append(piece)
+    except jinja2.exceptions.SecurityError as exc:
+        raise ChatTemplateError(f"chat template refused by the sandbox: {exc}") from None
+    except jinja2.exceptions.TemplateError as exc:
+        raise ChatTemplateError(f"chat template error: {exc}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError,
+            RecursionError) as exc:
+        raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+    return "".join(pieces)
+
+
+def render_raw(prompt: str) -> str:
+    """Raw mode: the prompt goes to the tokenizer unchanged (no template, no BOS added)."""
+    return prompt
+
+
+def special_tokens(metadata: dict[str, Any]) -> dict[str, str]:
+    """bos_token, eos_token, ... as strings, from the GGUF's tokenizer ids (what HF passes to templates)."""
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    tokens = list(tokens) if tokens is not None else []
+    out = {}
+    for name, key in SPECIAL_TOKEN_KEYS.items():
+        i = metadata.get(f"tokenizer.ggml.{key}")
+        if i is not None and 0 <= int(i) < len(tokens):
+            out[name] = tokens[int(i)]
+    return out
+
+
+def chat_template(metadata: dict[str, Any]) -> str | None:
+    return metadata.get("tokenizer.chat_template")
