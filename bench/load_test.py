@@ -59,11 +59,14 @@ async def one_client(client: httpx.AsyncClient, model: str, options: dict, start
     return result
 
 
-async def probe_version(client: httpx.AsyncClient, stop: asyncio.Event, latencies: list[float]) -> None:
+async def probe_version(client: httpx.AsyncClient, stop: asyncio.Event, latencies: list[float],
+                        slowest: list[tuple[float, float]]) -> None:
+    origin = time.perf_counter()
     while not stop.is_set():
         began = time.perf_counter()
         response = await client.get("/api/version")
         latencies.append(time.perf_counter() - began)
+        slowest.append((latencies[-1], began - origin))
         assert response.status_code == 200
         await asyncio.sleep(0.05)
 
@@ -75,7 +78,8 @@ async def run_load(url: str, model: str, clients: int, options: dict) -> dict:
         preload.raise_for_status()
         start, stop = asyncio.Event(), asyncio.Event()
         version_latencies: list[float] = []
-        prober = asyncio.create_task(probe_version(client, stop, version_latencies))
+        slowest: list[tuple[float, float]] = []
+        prober = asyncio.create_task(probe_version(client, stop, version_latencies, slowest))
         tasks = [asyncio.create_task(one_client(client, model, options, start)) for _ in range(clients)]
         await asyncio.sleep(0.2)
         began = time.perf_counter()
@@ -105,6 +109,7 @@ async def run_load(url: str, model: str, clients: int, options: dict) -> dict:
         "version_latency_s": {"p50": percentile(version_latencies, 50), "p99": percentile(version_latencies, 99),
                               "max": max(version_latencies, default=float("nan")),
                               "mean": statistics.fmean(version_latencies) if version_latencies else float("nan")},
+        "version_slowest_at_s": [(round(lat, 3), round(at, 2)) for lat, at in sorted(slowest, reverse=True)[:5]],
     }
 
 

@@ -184,6 +184,7 @@ def _ndjson(stream: WorkerStream, render, source=None) -> GuardedStreamingRespon
 @router.post("/api/generate", response_model=schemas.GenerateResponse, responses=INFERENCE_ERRORS)
 async def generate(req: schemas.GenerateRequest, request: Request):
     svc = services(request)
+    svc.scheduler.check_capacity()
     model = await svc.resolve_runnable(_model_text(req.model, req.name))
     if req.raw and (req.template or req.system or req.context):
         raise RequestError("raw mode does not support template, system, or context")
@@ -248,6 +249,7 @@ def _render(runner, messages: list[dict], thinking: bool | None, override: ChatT
 @router.post("/api/chat", response_model=schemas.ChatResponse, responses=INFERENCE_ERRORS)
 async def chat(req: schemas.ChatRequest, request: Request):
     svc = services(request)
+    svc.scheduler.check_capacity()
     model = await svc.resolve_runnable(_model_text(req.model, req.name))
     messages = [m.model_dump(exclude_none=True) for m in (req.messages or [])]
     for message in messages:

@@ -105,6 +105,7 @@ async def chat_completions(req: schemas.ChatCompletionRequest, request: Request)
     if not req.messages:
         raise RequestError("messages must not be empty")
     svc = services(request)
+    svc.scheduler.check_capacity()
     model_probe = await svc.resolve_runnable(req.model)
     if req.tools:
         raise RequestError(f"{model_probe.full} does not support tools")
@@ -185,6 +186,7 @@ async def chat_completions(req: schemas.ChatCompletionRequest, request: Request)
 @router.post("/completions", response_model=schemas.Completion, responses=ERRORS)
 async def completions(req: schemas.CompletionRequest, request: Request):
     svc = services(request)
+    svc.scheduler.check_capacity()
     model_probe = await svc.resolve_runnable(req.model)
     if req.suffix:
         raise RequestError(f"{model_probe.full} does not support insert")

@@ -67,11 +67,14 @@ def select_template(local_model: Any, metadata: dict) -> ChatTemplate:
     return ChatTemplate("none")
 
 
-def render_prompt(template: ChatTemplate, messages: list[dict], think: bool | None) -> str:
+def render_prompt(template: ChatTemplate, messages: list[dict], think: bool | None,
+                  special_tokens: dict[str, str] | None = None) -> str:
+    """`special_tokens`: bos_token, eos_token, ... as HF passes them to templates (`{{ bos_token }}` starts a prompt)."""
     if template.kind == "jinja":
         from dgemma_engine.chat import render_chat
 
-        return render_chat(template.text, messages, add_generation_prompt=True, enable_thinking=bool(think))
+        return render_chat(template.text, messages, add_generation_prompt=True, enable_thinking=bool(think),
+                           **(special_tokens or {}))
     if template.kind == "go":
         return gotemplate.render_messages(template.text, messages)
     return "\n".join(str(m.get("content") or "") for m in messages)  # rule 4: the bare prompt
@@ -112,7 +115,9 @@ class EngineRunner:
         return Context(self.model, n_ctx=self.context_length, threads=self.threads)
 
     def render_chat(self, messages: list[dict], think: bool | None) -> str:
-        return render_prompt(self.template, messages, think)
+        from dgemma_engine.chat import special_tokens
+
+        return render_prompt(self.template, messages, think, special_tokens(self.metadata))
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, special=True))

@@ -96,6 +96,11 @@ class Scheduler:
             self._changed = asyncio.Condition()
         return self._changed
 
+    def check_capacity(self) -> None:
+        """Refuse early (before any model lookup) when the queue is already full: a burst stays cheap to answer."""
+        if self.pending >= self.config.max_queue:
+            raise ServerBusy()
+
     async def acquire(self, name: str, model: Any, num_ctx: int, keep_alive: float | None) -> Lease:
         """Wait (FIFO) for `model` to be resident with `num_ctx` and for one of its slots. 503 when the queue is full."""
         if self.pending >= self.config.max_queue:

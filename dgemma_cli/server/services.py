@@ -7,6 +7,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from dgemma_cli.bundled import register_bundled
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.names import ModelName
 from dgemma_cli.server.config import ServerConfig
@@ -14,7 +15,7 @@ from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import check_options
 from dgemma_cli.server.runner import ARCHITECTURE
 from dgemma_cli.server.scheduler import Scheduler
-from dgemma_cli.store import Store
+from dgemma_cli.store import ModelNotFoundError, Store
 
 log = logging.getLogger("dgemma.server")
 
@@ -67,7 +68,13 @@ class Services:
 
     async def resolve(self, text: str) -> ResolvedModel:
         name = self.parse_name(text)
-        local = await asyncio.to_thread(self.store.resolve, name)
+        try:
+            local = await asyncio.to_thread(self.store.resolve, name)
+        except ModelNotFoundError:
+            # a bundled model (sudoku) registers itself from the package on first use: no pull, no network
+            if not await asyncio.to_thread(register_bundled, self.store, name):
+                raise
+            local = await asyncio.to_thread(self.store.resolve, name)
         return ResolvedModel(name=name, local=local, requested=text)
 
     async def resolve_runnable(self, text: str) -> ResolvedModel:
