@@ -28,7 +28,8 @@ from dgemma_cli.store import LocalModel, Store
 SAMPLER_FALLBACKS = {"eb_max_steps": 48, "eb_t_max": 0.8, "eb_t_min": 0.4, "eb_entropy_bound": 0.1,
                      "eb_confidence_threshold": 0.005, "eb_stability_threshold": 1}
 PARAM_FOR_KEY = {"eb_max_steps": "diffusion_steps", "eb_t_max": "diffusion_t_max", "eb_t_min": "diffusion_t_min",
-                 "eb_entropy_bound": "diffusion_entropy_bound", "eb_confidence_threshold": "diffusion_confidence_threshold",
+                 "eb_entropy_bound": "diffusion_entropy_bound",
+                 "eb_confidence_threshold": "diffusion_confidence_threshold",
                  "eb_stability_threshold": "diffusion_stability_threshold"}
 SELECTORS = ("license", "modelfile", "parameters", "system", "template")
 
@@ -299,10 +300,13 @@ def _text_rows(text: str | None) -> list[tuple[str, str]]:
     return [(line, "") for line in lines]
 
 
-def _meta_value(value: Any, verbose: bool) -> str:
-    if isinstance(value, ArraySummary) or isinstance(value, list) and len(value) > 5 and not verbose:
-        return "[]" if not verbose else f"[... {value.length} items]"
-    return go_value(value) if not isinstance(value, list) else json.dumps(value, ensure_ascii=False)
+def _meta_value(value: Any) -> str:
+    """One metadata value for `show -v`: scalars in Go style, short arrays whole, long ones as a count."""
+    if isinstance(value, ArraySummary):
+        return f"[... {value.length} items]"
+    if isinstance(value, list):
+        return json.dumps(value, ensure_ascii=False) if len(value) <= 5 else f"[... {len(value)} items]"
+    return go_value(value)
 
 
 def show_info_text(model: LocalModel, verbose: bool = False) -> str:
@@ -335,7 +339,7 @@ def show_info_text(model: LocalModel, verbose: bool = False) -> str:
     lines += _block("License", _text_rows("\n".join(model.license)))
     if verbose:
         meta = {k: v for k, v in md.items() if k not in ("general.name", "tokenizer.chat_template")}
-        lines += _block("Metadata", [(k, _meta_value(v, True)) for k, v in sorted(meta.items())])
+        lines += _block("Metadata", [(k, _meta_value(v)) for k, v in sorted(meta.items())])
         lines += _block("Tensors", [(t.name, f"{t.type_name}    {list(t.shape)}") for t in info.tensors])
     return "\n".join(lines).rstrip("\n") + "\n"
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -169,7 +170,8 @@ class _ByteCounter:
 PROGRESS_DIGEST = "0000000000000000000"  # what Ollama puts in `digest` for quantization progress
 
 
-def _converter_step(status: str, work: Callable[[_ByteCounter], None], hide: dict[str, str]) -> Iterator[dict[str, Any]]:
+def _converter_step(status: str, work: Callable[[_ByteCounter], None],
+                    hide: dict[str, str]) -> Iterator[dict[str, Any]]:
     """Run a converter call in a worker thread and yield progress objects until it ends.
 
     Converter errors become CreateError with local paths replaced by plain names (no path leaks, §8 C)."""
@@ -233,6 +235,19 @@ def create_model(name: ModelName | str, modelfile: Modelfile, store: Store, base
         raise CreateError(f"create failed: {exc.strerror or exc.__class__.__name__}") from None
 
 
+@dataclass
+class _Base:
+    """What a FROM source contributes: layers, config, and (for a parent model) its inherited settings."""
+
+    layers: list[Layer]
+    config: dict[str, Any]
+    params: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, str]] = field(default_factory=list)
+    licenses: list[str] = field(default_factory=list)
+    template: str | None = None
+    system: str | None = None
+
+
 def _create_model(name: ModelName | str, modelfile: Modelfile, store: Store, base_dir: Path | str,
                   quantize: str | None, paths_within: Path | None) -> Iterator[dict[str, Any]]:
     model_name = name if isinstance(name, ModelName) else ModelName.parse(name)
@@ -256,123 +271,120 @@ def _create_model(name: ModelName | str, modelfile: Modelfile, store: Store, bas
     store.ensure_dirs()
     source = modelfile.from_ or ""
     local = _local_path(source, base_dir, paths_within)
-    layers: list[Layer] = []
-    params: dict[str, Any] = {}
-    messages: list[dict[str, str]] = []
-    licenses: list[str] = []
-    template = system = None
-    config: dict[str, Any] = {}
-    work = Path(tempfile.mkdtemp(prefix=".create-", dir=store.root))
+    work = Path(tempfile.mkdtemp(prefix=".create-", dir=store.root))  # conversions; never inside blobs/
     try:
         if local is not None:
-            gguf = local
-            if local.is_dir():
-                if _is_hf_checkpoint(local):
-                    yield {"status": "converting model"}
-                    from dgemma_convert import convert
-
-                    gguf = work / "converted.gguf"
-                    outtype = (quantize or "bf16").lower()
-                    yield from _converter_step(
-                        "converting model",
-                        lambda sink: convert(local, gguf, outtype, threads=2, progress=sink),
-                        {str(gguf): gguf.name, str(local): local.name, str(work): "."},
-                    )
-                    quant = None  # already written in the requested type
-                else:
-                    gguf = _gguf_in_folder(local)
-            yield {"status": "parsing GGUF"}
-            info = _validated_gguf(gguf)
-            if quant is not None:
-                if info.file_type not in FLOAT_FILE_TYPES:
-                    raise CreateError("quantization is only supported from F32, F16 or BF16 models")
-                from dgemma_convert import requantize
-
-                status = f"quantizing {info.file_type} model to {quant}"
-                yield {"status": status}
-                out, src = work / "quantized.gguf", gguf
-                yield from _converter_step(
-                    status,
-                    lambda sink: requantize(src, out, quant.lower(), threads=2, progress=sink),
-                    {str(out): out.name, str(src): src.name, str(work): "."},
-                )
-                gguf, info = out, _validated_gguf(out)
-            layer, status = _import_layer(store, gguf, MEDIA_MODEL, local.name)
-            layers.append(layer)
-            yield status
-            config = {
-                "model_format": "gguf", "model_family": FAMILY, "model_families": [FAMILY],
-                "model_type": human_number(info.parameter_count), "file_type": info.file_type,
-                "architecture": "amd64", "os": "linux",
-            }
+            base = yield from _from_local(store, local, quant, work)
         else:
-            base = ModelName.parse(source)  # a non-existent path is treated as a model name
-            if not store.exists(base):
-                from dgemma_cli.registry import pull
-
-                yield from pull(base, store)
-            parent = store.resolve(base)
-            if quant is not None:
-                raise CreateError("quantization is only supported from F32, F16 or BF16 models"
-                                  if parent.config.get("file_type") not in FLOAT_FILE_TYPES else
-                                  "quantizing an existing model is not supported yet; create from its GGUF or checkpoint")
-            assert parent.manifest is not None
-            for layer in parent.manifest.layers:
-                if layer.media_type == MEDIA_MODEL:
-                    layers.append(Layer(layer.media_type, layer.digest, layer.size, parent.name))
-                elif layer.media_type not in (MEDIA_TEMPLATE, MEDIA_SYSTEM, MEDIA_PARAMS, MEDIA_MESSAGES, MEDIA_LICENSE):
-                    layers.append(layer)  # other media types (adapter, projector, ...) are preserved as is
-                else:
-                    continue
-                yield {"status": f"using existing layer {layer.digest}"}
-            params, messages, licenses = dict(parent.parameters), list(parent.messages), list(parent.license)
-            template, system = parent.template, parent.system
-            config = {k: v for k, v in parent.config.items() if k != "template_format"}
-            if not config.get("model_family"):
-                config.update(model_format="gguf", model_family=FAMILY, model_families=[FAMILY])
-
-        params.update(modelfile.parameters)
-        if modelfile.messages:
-            messages = list(modelfile.messages)
-        template = modelfile.template if modelfile.template is not None else template
-        system = modelfile.system if modelfile.system is not None else system
-        licenses += [text for text in modelfile.licenses if text not in licenses]
-
-        for media_type, data in (
-            (MEDIA_TEMPLATE, template.encode() if template is not None else None),
-            (MEDIA_SYSTEM, system.encode() if system is not None else None),
-            (MEDIA_PARAMS, canonical_json(params) if params else None),
-            (MEDIA_MESSAGES, canonical_json(messages) if messages else None),
-            *((MEDIA_LICENSE, text.encode()) for text in licenses),
-        ):
-            if data is not None:
-                layer, status = _text_layer(store, media_type, data)
-                layers.append(layer)
-                yield status
-        if template is not None:
-            config["template_format"] = template_format(template)
-        if modelfile.requires:
-            config["requires"] = modelfile.requires
-        for key in ("renderer", "parser"):  # kept for Ollama Modelfiles; dgemma ignores them at inference
-            if key in modelfile.extras:
-                config[key] = modelfile.extras[key]
-        config_bytes = canonical_json(config)
-        config_digest, config_size = store.write_blob(config_bytes)
-
-        yield {"status": "writing manifest"}
-        previous = None
-        if store.exists(model_name):
-            try:
-                previous = store.read_manifest(model_name)
-            except DgemmaError:
-                previous = None
-        raw = build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers)
-        store.write_manifest(model_name, raw)
-        if previous is not None:
-            store.remove_unreferenced(set(previous.all_digests()) - {config_digest, *(l.digest for l in layers)})
-        yield {"status": "success"}
+            base = yield from _from_model(store, ModelName.parse(source), quant)  # not a path: a model name
+        yield from _write_model(store, model_name, modelfile, base)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _from_local(store: Store, local: Path, quant: str | None, work: Path) -> Iterator[dict[str, Any]]:
+    """A GGUF file, a folder with one GGUF, or a checkpoint folder (converted) -> the model layer."""
+    gguf = local
+    if local.is_dir():
+        if _is_hf_checkpoint(local):
+            from dgemma_convert import convert
+
+            yield {"status": "converting model"}
+            gguf, outtype = work / "converted.gguf", (quant or "bf16").lower()
+            yield from _converter_step("converting model",
+                                       lambda sink: convert(local, gguf, outtype, threads=2, progress=sink),
+                                       {str(gguf): gguf.name, str(local): local.name, str(work): "."})
+            quant = None  # already written in the requested type
+        else:
+            gguf = _gguf_in_folder(local)
+    yield {"status": "parsing GGUF"}
+    info = _validated_gguf(gguf)
+    if quant is not None:
+        if info.file_type not in FLOAT_FILE_TYPES:
+            raise CreateError("quantization is only supported from F32, F16 or BF16 models")
+        from dgemma_convert import requantize
+
+        status = f"quantizing {info.file_type} model to {quant}"
+        yield {"status": status}
+        src, out = gguf, work / "quantized.gguf"
+        yield from _converter_step(status, lambda sink: requantize(src, out, quant.lower(), threads=2, progress=sink),
+                                   {str(out): out.name, str(src): src.name, str(work): "."})
+        gguf, info = out, _validated_gguf(out)
+    layer, status = _import_layer(store, gguf, MEDIA_MODEL, local.name)
+    yield status
+    config = {"model_format": "gguf", "model_family": FAMILY, "model_families": [FAMILY],
+              "model_type": human_number(info.parameter_count), "file_type": info.file_type,
+              "architecture": "amd64", "os": "linux"}
+    return _Base([layer], config)
+
+
+def _from_model(store: Store, parent_name: ModelName, quant: str | None) -> Iterator[dict[str, Any]]:
+    """An existing model (pulled first if missing): its weights and other layers are shared, settings inherited."""
+    if not store.exists(parent_name):
+        from dgemma_cli.registry import pull
+
+        yield from pull(parent_name, store)
+    parent = store.resolve(parent_name)
+    if quant is not None:
+        if parent.config.get("file_type") not in FLOAT_FILE_TYPES:
+            raise CreateError("quantization is only supported from F32, F16 or BF16 models")
+        raise CreateError("quantizing an existing model is not supported yet; create from its GGUF or checkpoint")
+    assert parent.manifest is not None
+    layers = []
+    for layer in parent.manifest.layers:
+        if layer.media_type == MEDIA_MODEL:
+            layer = Layer(layer.media_type, layer.digest, layer.size, parent.name)
+        elif layer.media_type in (MEDIA_TEMPLATE, MEDIA_SYSTEM, MEDIA_PARAMS, MEDIA_MESSAGES, MEDIA_LICENSE):
+            continue  # rebuilt from the merged settings
+        layers.append(layer)  # other media types (adapter, projector, ...) are preserved as they are
+        yield {"status": f"using existing layer {layer.digest}"}
+    config = {k: v for k, v in parent.config.items() if k != "template_format"}
+    if not config.get("model_family"):
+        config.update(model_format="gguf", model_family=FAMILY, model_families=[FAMILY])
+    return _Base(layers, config, dict(parent.parameters), list(parent.messages), list(parent.license),
+                 parent.template, parent.system)
+
+
+def _write_model(store: Store, name: ModelName, mf: Modelfile, base: _Base) -> Iterator[dict[str, Any]]:
+    """Merge the Modelfile over the base, write the small layers, the config and the manifest."""
+    params = {**base.params, **mf.parameters}  # new keys win
+    messages = list(mf.messages) if mf.messages else base.messages  # replaced only if given
+    template = mf.template if mf.template is not None else base.template
+    system = mf.system if mf.system is not None else base.system
+    licenses = base.licenses + [text for text in mf.licenses if text not in base.licenses]
+
+    layers = list(base.layers)
+    for media_type, data in (
+        (MEDIA_TEMPLATE, template.encode() if template is not None else None),
+        (MEDIA_SYSTEM, system.encode() if system is not None else None),
+        (MEDIA_PARAMS, canonical_json(params) if params else None),
+        (MEDIA_MESSAGES, canonical_json(messages) if messages else None),
+        *((MEDIA_LICENSE, text.encode()) for text in licenses),
+    ):
+        if data is not None:
+            layer, status = _text_layer(store, media_type, data)
+            layers.append(layer)
+            yield status
+
+    config = dict(base.config)
+    if template is not None:
+        config["template_format"] = template_format(template)
+    if mf.requires:
+        config["requires"] = mf.requires
+    for key in ("renderer", "parser"):  # kept for Ollama Modelfiles; dgemma ignores them at inference
+        if key in mf.extras:
+            config[key] = mf.extras[key]
+    config_digest, config_size = store.write_blob(canonical_json(config))
+
+    yield {"status": "writing manifest"}
+    try:
+        previous = store.read_manifest(name) if store.exists(name) else None
+    except DgemmaError:
+        previous = None
+    store.write_manifest(name, build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers))
+    if previous is not None:  # layers only the replaced manifest used
+        store.remove_unreferenced(set(previous.all_digests()) - {config_digest, *(layer.digest for layer in layers)})
+    yield {"status": "success"}
 
 
 def load_modelfile_for_create(path: Path | None, cwd: Path) -> tuple[Modelfile, Path]:
@@ -392,7 +404,3 @@ def load_modelfile_for_create(path: Path | None, cwd: Path) -> tuple[Modelfile, 
     except OSError as exc:
         raise CreateError(f"cannot read Modelfile: {exc.strerror}") from None
     return parse_modelfile(data), path.resolve().parent
-
-
-__all__ = ["create_model", "human_number", "check_jinja_template", "load_modelfile_for_create", "CreateError",
-           "QUANTIZE_TYPES"]

@@ -15,7 +15,8 @@ from typing import Any
 
 from dgemma_cli.errors import DgemmaError
 
-COMMANDS = ("from", "license", "template", "system", "adapter", "draft", "renderer", "parser", "parameter", "message", "requires")
+COMMANDS = ("from", "license", "template", "system", "adapter", "draft", "renderer", "parser", "parameter", "message",
+            "requires")
 ROLES = ("system", "user", "assistant")
 
 ERR_COMMAND = (
@@ -246,7 +247,9 @@ def max_steps_cap() -> int:
 
 
 def check_parameter_ranges(params: dict[str, Any]) -> None:
-    """Range checks of spec §3.2, applied at create: `invalid value for diffusion_steps: 0 (must be between 1 and 256)`."""
+    """Range checks of spec §3.2, applied at create.
+
+    Message shape: `invalid value for diffusion_steps: 0 (must be between 1 and 256)`."""
     def bad(name: str, rule: str) -> ModelfileError:
         return ModelfileError(f"invalid value for {name}: {params[name]!r} ({rule})")
 

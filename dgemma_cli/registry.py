@@ -417,7 +417,8 @@ class _Transfer:
         try:
             self._download()
         except OSError as exc:  # disk trouble: a one-line error without the store path
-            self.error = PullError(f"download of {self.layer.digest[:19]} failed: {exc.strerror or exc.__class__.__name__}")
+            reason = exc.strerror or exc.__class__.__name__
+            self.error = PullError(f"download of {self.layer.digest[:19]} failed: {reason}")
         except BaseException as exc:  # noqa: BLE001 (handed to every waiting puller)
             self.error = exc
         finally:

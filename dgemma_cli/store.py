@@ -61,7 +61,7 @@ class InvalidManifestError(DgemmaError):
 
 
 def normalize_digest(digest: str) -> str:
-    """`sha256:<64 lowercase hex>` for any accepted spelling (`sha256-`, uppercase hex); InvalidDigestError otherwise."""
+    """`sha256:<64 lowercase hex>` for any accepted spelling (`sha256-`, uppercase hex); else InvalidDigestError."""
     if not isinstance(digest, str):
         raise InvalidDigestError()
     m = _DIGEST_RE.fullmatch(digest)
@@ -409,11 +409,13 @@ class Store:
                 "parent_model": "",
                 "format": config.get("model_format", "gguf"),
                 "family": config.get("model_family", ""),
-                "families": config.get("model_families") or ([config["model_family"]] if config.get("model_family") else None),
+                "families": config.get("model_families")
+                or ([config["model_family"]] if config.get("model_family") else None),
                 "parameter_size": config.get("model_type", ""),
                 "quantization_level": config.get("file_type", ""),
             }
-            entries.append(ModelEntry(name.display, name, manifest.digest, manifest.total_size, path.stat().st_mtime, details))
+            entries.append(ModelEntry(name.display, name, manifest.digest, manifest.total_size,
+                                      path.stat().st_mtime, details))
         entries.sort(key=lambda e: e.modified, reverse=True)
         return entries
 
