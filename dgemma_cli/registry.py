@@ -218,6 +218,16 @@ def vet_address(host: str, port: int, implicitly_allowed: bool = False) -> str:
     return str(addresses[0])
 
 
+# First-party token services that live on a sibling domain of their registry (and only those): a realm elsewhere
+# is refused (CVE-2025-51471 class).
+_AUTH_SIBLINGS = {"hf.co": {"huggingface.co"}, "huggingface.co": {"hf.co"}, "registry.ollama.ai": {"ollama.com"}}
+
+
+def _same_auth_host(realm_host: str, registry_host: str) -> bool:
+    realm_host, registry_host = realm_host.lower(), registry_host.lower()
+    return realm_host == registry_host or realm_host in _AUTH_SIBLINGS.get(registry_host, set())
+
+
 # ---- HTTP --------------------------------------------------------------------------------------------------------
 
 def _read_capped(resp: httpx.Response, cap: int, what: str) -> bytes:
@@ -352,7 +362,7 @@ class RegistryClient:
         parts = urlsplit(realm)
         if not parts.hostname:
             raise RegistryError("unauthorized: invalid authentication realm")
-        if parts.hostname.lower() != self.endpoint.host.lower():
+        if not _same_auth_host(parts.hostname, self.endpoint.host):
             raise RegistryError("unauthorized: realm host mismatch")
         if parts.scheme != "https" and not (parts.scheme == "http" and self.endpoint.scheme == "http"):
             raise RegistryError("unauthorized: realm must use https")

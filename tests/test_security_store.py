@@ -459,3 +459,12 @@ def test_arbitrary_names_fail_cleanly(text):
         assert str(exc) == "invalid model name"
         return
     assert all(part and ".." != part and "/" not in part[1:] for part in name.parts[1:])
+
+
+def test_realm_host_rule():
+    from dgemma_cli.registry import _same_auth_host
+
+    assert _same_auth_host("HF.co", "hf.co") and _same_auth_host("huggingface.co", "hf.co")
+    assert _same_auth_host("ollama.com", "registry.ollama.ai")
+    assert not _same_auth_host("evil.example", "hf.co") and not _same_auth_host("hf.co.evil.example", "hf.co")
+    assert not _same_auth_host("ollama.com", "hf.co") and not _same_auth_host("127.0.0.2", "127.0.0.1")
