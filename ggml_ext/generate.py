@@ -116,6 +116,7 @@ class StepEvent:
     argmax_ids: list[int]
     mean_entropy: float
     accepted: int              # positions that kept their sampled token
+    accepted_mask: list[bool] | None = None   # which positions those are (the CLI's live view styles them)
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
                 logits = ctx.step(canvas, sc_temperature=prev_temperature)
                 result = sampler.step(logits)
                 yield StepEvent(b, result.step, params.max_steps, result.argmax.tolist(), result.mean_entropy,
-                                result.n_accepted)
+                                result.n_accepted, result.accepted.tolist())
                 if result.finished:
                     break
                 canvas, prev_temperature = result.canvas, result.temperature
