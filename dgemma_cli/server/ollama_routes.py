@@ -238,7 +238,7 @@ def _request_template(text: str) -> ChatTemplate:
 def _render(runner, messages: list[dict], thinking: bool | None, override: ChatTemplate | None = None) -> str:
     try:
         if override is not None:
-            return render_prompt(override, messages, thinking)
+            return render_prompt(override, messages, thinking, getattr(runner, "special_tokens", None))
         return runner.render_chat(messages, thinking)
     except RequestError:
         raise

@@ -104,6 +104,9 @@ class EngineRunner:
         except BaseException:
             self.model.close()
             raise
+        from dgemma_engine.chat import special_tokens
+
+        self.special_tokens = special_tokens(self.metadata)  # computed once: it scans the whole vocabulary
         self.template = select_template(local_model, self.metadata)
         self.has_thinking = self.template.kind == "jinja" and "enable_thinking" in self.template.text
         self.size = os.path.getsize(local_model.gguf_path)
@@ -115,9 +118,7 @@ class EngineRunner:
         return Context(self.model, n_ctx=self.context_length, threads=self.threads)
 
     def render_chat(self, messages: list[dict], think: bool | None) -> str:
-        from dgemma_engine.chat import special_tokens
-
-        return render_prompt(self.template, messages, think, special_tokens(self.metadata))
+        return render_prompt(self.template, messages, think, self.special_tokens)
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, special=True))

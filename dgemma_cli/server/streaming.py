@@ -51,7 +51,10 @@ def error_status(exc: BaseException) -> int:
 
 
 def is_user_error(exc: BaseException) -> bool:
-    return isinstance(exc, DgemmaError) or type(exc).__name__ in ("EngineError", "ConvertError")
+    """The packages' user-facing errors (matched by class name: the engine and converter need not be importable)."""
+    return isinstance(exc, DgemmaError) or any(
+        cls.__name__ in ("EngineError", "ConvertError") for cls in type(exc).__mro__
+    )
 
 
 def error_message(exc: BaseException) -> str:
