@@ -232,7 +232,7 @@ def test_stalled_part_is_restarted(registry, gguf_blob, tmp_path):
     registry.faults.chunk_size = 64
     registry.faults.stall = {digest: 3.0}
     store = Store(tmp_path / "store")
-    run_pull(f"{registry.host}/library/tiny:latest", store, options=fast_options(stall_timeout=0.3, streams=1))
+    run_pull(f"{registry.host}/library/tiny:latest", store, options=fast_options(stall_timeout=0.5, streams=1))
     assert store.blob_path(digest).read_bytes() == gguf_blob
     assert len(registry.requests_for(digest)) == -(-len(gguf_blob) // PART) + 1
 
