@@ -61,8 +61,8 @@ def test_generate_streaming_matches_non_streaming(served):
     _, client, _ = served
     parts = list(client.generate(model="tiny", prompt="Hello", options=FAST, stream=True))
     assert parts[-1].done and all(not p.done for p in parts[:-1])
-    assert "".join(p.response for p in parts) == client.generate(model="tiny", prompt="Hello", options=FAST).response
-    assert parts[-1].eval_count == client.generate(model="tiny", prompt="Hello", options=FAST).eval_count
+    whole = client.generate(model="tiny", prompt="Hello", options=FAST)
+    assert "".join(p.response for p in parts) == whole.response and parts[-1].eval_count == whole.eval_count
 
 
 def test_generate_steps_argument_and_progress(served):
@@ -96,7 +96,7 @@ def test_copy_and_delete(served):
     _, client, _ = served
     assert client.copy("tiny", "tiny-copy").status == "success"
     assert "tiny-copy:latest" in [m.model for m in client.list().models]
-    assert client.generate(model="tiny-copy", prompt="x", options=FAST).done
+    assert client.generate(model="tiny-copy").done_reason == "load"  # the copy resolves and loads
     assert client.delete("tiny-copy").status == "success"
     assert "tiny-copy:latest" not in [m.model for m in client.list().models]
     with pytest.raises(ollama.ResponseError) as err:
@@ -113,7 +113,7 @@ def test_pull_from_the_test_registry(served, tiny_gguf):
     assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
     assert client.pull(name, insecure=True).status == "success"  # non-streaming, blobs already present
     assert name in [m.model for m in client.list().models]
-    assert client.generate(model=name, prompt="x", options=FAST).done
+    assert client.generate(model=name).done_reason == "load"  # the pulled GGUF loads in the engine
     with pytest.raises(ollama.ResponseError) as err:
         client.pull(f"{registry.host}/library/absent:latest", insecure=True)
     assert err.value.status_code == 404
