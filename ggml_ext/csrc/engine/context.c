@@ -7,10 +7,12 @@
 // Decoder graphs are built once per (n_past, canvas rows) in four variants [self-conditioning][output buffer]: the
 // step writes its softcapped logits into one of two persistent buffers and, with self-conditioning, reads the
 // previous step's logits from the other, so they never leave engine memory.
+#define _POSIX_C_SOURCE 200809L  // clock_gettime, sysconf under -std=c11
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "engine.h"
@@ -57,12 +59,51 @@ static bool compute(dg_context *c, struct ggml_cgraph *gf, char *err, size_t err
     return true;
 }
 
+static double elapsed_s(const struct timespec *t0) {
+    struct timespec t1;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return (double)(t1.tv_sec - t0->tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0->tv_nsec);
+}
+
+// Profiling variant (bench/step.py): run the graph node by node, adding each node's wall time to seconds[op].
+static bool compute_profiled(dg_context *c, struct ggml_cgraph *gf, double *seconds, char *err, size_t err_len) {
+    struct ggml_init_params ip = {ggml_graph_overhead_custom(1, false), NULL, true};
+    struct ggml_context *scratch = ggml_init(ip);
+    if (!scratch) {
+        dg_set_err(err, err_len, "out of memory");
+        return false;
+    }
+    struct ggml_cgraph *one = ggml_new_graph_custom(scratch, 1, false);
+    bool ok = true;
+    for (int i = 0; ok && i < ggml_graph_n_nodes(gf); i++) {
+        struct ggml_tensor *node = ggml_graph_node(gf, i);
+        ggml_graph_clear(one);
+        ggml_graph_add_node(one, node);
+        struct timespec t0;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        ok = compute(c, one, err, err_len);
+        seconds[node->op] += elapsed_s(&t0);
+    }
+    ggml_free(scratch);
+    return ok;
+}
+
+// ggml's fast F32 GEMM (llamafile sgemm) needs the contraction length to be a multiple of 16; in P·V that is the
+// number of keys. Sliding layers round it up with earlier (valid, cached) slots that the mask hides.
+enum { KEY_MULTIPLE = 16 };
+
 static dg_attn_span span_for(const dg_model *m, int il, int n_past, int n_new) {
-    dg_attn_span s = {0, n_past + n_new};
+    dg_attn_span s = {0, n_past + n_new, 0};
     if (m->layers[il].sliding) {
         const int keep = m->hp.sliding_window - 1;  // context slots a sliding layer retains
         s.first = n_past > keep ? n_past - keep : 0;
         s.len = n_past + n_new - s.first;
+        const int pad = (KEY_MULTIPLE - s.len % KEY_MULTIPLE) % KEY_MULTIPLE;
+        if (s.first >= pad) {
+            s.first -= pad;
+            s.len += pad;
+            s.padding = pad;
+        }
     }
     return s;
 }
@@ -89,7 +130,8 @@ static void fill_positions(int32_t *pos, int first, int n) {
 // ---------------------------------------------------------------------------------------------------------------
 // encoder
 
-// Causal mask for n rows at positions n_past.. over the slots of `span`; sliding layers also hide keys ≤ p − W.
+// Causal mask for n rows at positions n_past.. over the slots of `span`; sliding layers also hide keys ≤ p − W
+// (which covers the span's padding slots: they precede n_past − (W − 1)).
 static void fill_encoder_mask(float *mask, dg_attn_span span, int n_past, int n, int window, bool sliding) {
     for (int t = 0; t < n; t++) {
         const int p = n_past + t;
@@ -121,7 +163,7 @@ static bool encode_chunk(dg_context *c, const int32_t *ids, int n, char *err, si
         if (!m->layers[il].sliding && full_layer < 0) full_layer = il;
     }
     struct ggml_tensor *mask[2] = {NULL, NULL};  // [full, sliding]
-    dg_attn_span spans[2] = {{0, 0}, {0, 0}};
+    dg_attn_span spans[2] = {{0, 0, 0}, {0, 0, 0}};
     for (int kind = 0; kind < 2; kind++) {
         int il = kind ? sliding_layer : full_layer;
         if (il < 0) continue;
@@ -206,9 +248,17 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
     }
     struct ggml_tensor *x = ggml_rms_norm(ctx, e, m->hp.rms_eps);  // weight-less post_norm
 
+    g->mask = NULL;
+    g->sliding_span = (dg_attn_span){0, 0, 0};
     for (int il = 0; il < m->hp.n_layer; il++) {
-        x = dg_build_layer(ctx, g->gf, m, c, il, x, g->pos, NULL, c->n_past, span_for(m, il, c->n_past, n), false,
-                           false);
+        const dg_attn_span span = span_for(m, il, c->n_past, n);
+        if (span.padding > 0 && !g->mask) {  // the decoder has no mask except to hide padding slots
+            g->mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, span.len, n);
+            ggml_set_input(g->mask);
+            g->sliding_span = span;
+        }
+        x = dg_build_layer(ctx, g->gf, m, c, il, x, g->pos, span.padding > 0 ? g->mask : NULL, c->n_past, span,
+                           false, false);
     }
     x = dg_build_rmsw(ctx, m, x, m->output_norm);
     struct ggml_tensor *logits = ggml_mul_mat(ctx, m->output ? m->output : m->tok_embd, x);  // [V, n]
@@ -341,8 +391,8 @@ DG_API int dg_context_encode(dg_context *c, const int32_t *ids, int n, char *err
     return 0;
 }
 
-DG_API float *dg_context_step(dg_context *c, const int32_t *ids, int n, int use_self_cond, float inv_temp, char *err,
-                              size_t err_len) {
+static float *step_impl(dg_context *c, const int32_t *ids, int n, int use_self_cond, float inv_temp, double *profile,
+                        char *err, size_t err_len) {
     if (err && err_len) err[0] = 0;
     const dg_model *m = c->model;
     if (n < 1 || n > m->hp.canvas_length) {
@@ -388,10 +438,28 @@ DG_API float *dg_context_step(dg_context *c, const int32_t *ids, int n, int use_
     ggml_backend_tensor_set(g->pos, pos, 0, ggml_nbytes(g->pos));
     free(pos);
     if (sc) ggml_backend_tensor_set(g->inv_temp, &inv_temp, 0, sizeof(float));
-    if (!compute(c, g->gf, err, err_len)) return NULL;
+    if (g->mask) {
+        float *mask = g->mask->data;
+        const dg_attn_span span = g->sliding_span;
+        for (int t = 0; t < n; t++) {
+            for (int j = 0; j < span.len; j++) mask[(size_t)t * span.len + j] = j < span.padding ? -INFINITY : 0.0f;
+        }
+    }
+    if (!(profile ? compute_profiled(c, g->gf, profile, err, err_len) : compute(c, g->gf, err, err_len))) return NULL;
     c->last = out;
     c->last_rows = n;
     return c->logits[out]->data;
+}
+
+DG_API float *dg_context_step(dg_context *c, const int32_t *ids, int n, int use_self_cond, float inv_temp, char *err,
+                              size_t err_len) {
+    return step_impl(c, ids, n, use_self_cond, inv_temp, NULL, err, err_len);
+}
+
+// The same step, timed node by node: seconds[op] += time of each node (GGML_OP_COUNT entries).
+DG_API float *dg_context_step_profiled(dg_context *c, const int32_t *ids, int n, int use_self_cond, float inv_temp,
+                                       double *seconds, char *err, size_t err_len) {
+    return step_impl(c, ids, n, use_self_cond, inv_temp, seconds, err, err_len);
 }
 
 // Overwrite "the previous step's raw logits" (rows × n_vocab floats). Written into the buffer the last step did not

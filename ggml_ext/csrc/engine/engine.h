@@ -77,11 +77,19 @@ typedef struct dg_model {
     char warnings[1024];
 } dg_model;
 
+typedef struct dg_attn_span {
+    int first;   // first cache slot the queries attend to
+    int len;     // number of slots (context + new rows)
+    int padding; // leading slots included only to round len up for ggml's GEMM; always masked out
+} dg_attn_span;
+
 // Graph inputs and output of one decoder step variant.
 typedef struct dg_step_graph {
     struct ggml_context *ctx;
     struct ggml_cgraph *gf;
     struct ggml_tensor *ids, *pos, *inv_temp;
+    struct ggml_tensor *mask;  // sliding layers' padding mask, NULL when no padding
+    dg_attn_span sliding_span;
 } dg_step_graph;
 
 typedef struct dg_context {
@@ -114,11 +122,6 @@ void dg_model_free_impl(dg_model *m);
 bool dg_gguf_check(const uint8_t *data, size_t size, char *err, size_t err_len);
 
 // graph.c
-typedef struct dg_attn_span {
-    int first;   // first cache slot the queries attend to
-    int len;     // number of slots (context + new rows)
-} dg_attn_span;
-
 struct ggml_tensor *dg_build_layer(struct ggml_context *ctx, struct ggml_cgraph *gf, const dg_model *m,
                                    const dg_context *c, int il, struct ggml_tensor *x, struct ggml_tensor *pos,
                                    struct ggml_tensor *mask, int slot0, dg_attn_span span, bool encoder,

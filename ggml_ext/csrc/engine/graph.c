@@ -101,7 +101,7 @@ static struct ggml_tensor *build_attention(struct ggml_context *ctx, struct ggml
     q = dg_build_rmsw(ctx, m, q, L->q_norm);
     q = ggml_rope_ext(ctx, q, pos, freq_factors, (int)hd, GGML_ROPE_TYPE_NEOX, n_ctx_orig, base, 1.0f, 0.0f, 1.0f,
                       0.0f, 0.0f);
-    q = ggml_permute(ctx, q, 0, 2, 1, 3);  // [hd, T, nh]
+    q = ggml_cont(ctx, ggml_permute(ctx, q, 0, 2, 1, 3));  // [hd, T, nh]; contiguous so ggml can use its sgemm
 
     struct ggml_tensor *keys = ggml_view_3d(ctx, kc, hd, span.len, nkv, kc->nb[2], kc->nb[1],
                                             (size_t)span.first * kc->nb[2]);  // [hd, S, nkv]

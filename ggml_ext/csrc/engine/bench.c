@@ -1,0 +1,92 @@
+// ggml matmul microbenchmark (bench/step.py): the rate ggml itself reaches on one weight shape and type, to judge
+// how close a whole decoder step comes to it.
+#define _POSIX_C_SOURCE 200809L  // clock_gettime under -std=c11
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine.h"
+
+static double clock_s(clockid_t id) {
+    struct timespec ts;
+    clock_gettime(id, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static uint64_t next_rand(uint64_t *s) {  // splitmix64
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static float rand_float(uint64_t *s) { return (float)((double)(next_rand(s) >> 11) * 0x1.0p-53 * 2.0 - 1.0); }
+
+// Seconds per product (best of `reps`) of a [k, m] weight of `type` (n_expert > 0: [k, m, n_expert] experts used
+// n_used at a time per token through mul_mat_id) with n F32 activation columns. Returns < 0 on failure.
+// *cpu_seconds: process CPU time of that best run (equals wall time at one thread on an idle machine; on a loaded
+// machine it is the load-independent measure).
+DG_API double dg_bench_mul_mat(int type, int64_t k, int64_t m, int64_t n, int n_expert, int n_used, int n_threads,
+                               int reps, double *cpu_seconds, char *err, size_t err_len) {
+    if (type < 0 || type >= GGML_TYPE_COUNT || k <= 0 || m <= 0 || n <= 0 || reps <= 0 || n_used > n_expert ||
+        k % ggml_blck_size((enum ggml_type)type) != 0) {
+        dg_set_err(err, err_len, "invalid benchmark shape or type");
+        return -1;
+    }
+    const int n_mat = n_expert > 0 ? n_expert : 1;
+    struct ggml_init_params ip = {ggml_tensor_overhead() * 8 + ggml_graph_overhead(), NULL, true};
+    struct ggml_context *ctx = ggml_init(ip);
+    ggml_backend_t backend = ggml_backend_cpu_init();
+    ggml_backend_cpu_set_n_threads(backend, n_threads);
+    struct ggml_tensor *w = ggml_new_tensor_3d(ctx, (enum ggml_type)type, k, m, n_mat);
+    struct ggml_tensor *x = n_expert > 0 ? ggml_new_tensor_3d(ctx, GGML_TYPE_F32, k, 1, n)
+                                         : ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n);
+    struct ggml_tensor *ids = n_expert > 0 ? ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_used, n) : NULL;
+    struct ggml_tensor *y = n_expert > 0 ? ggml_mul_mat_id(ctx, w, x, ids) : ggml_mul_mat(ctx, w, x);
+    struct ggml_cgraph *gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, y);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+    double best = -1;
+    float *row = malloc(sizeof(float) * (size_t)k * 64);
+    if (!buf || !row) {
+        dg_set_err(err, err_len, "out of memory");
+        goto done;
+    }
+    uint64_t seed = 1;
+    const int64_t rows = m * n_mat;
+    for (int64_t r0 = 0; r0 < rows; r0 += 64) {  // random weights, quantised by ggml itself
+        const int64_t nr = rows - r0 < 64 ? rows - r0 : 64;
+        for (int64_t i = 0; i < nr * k; i++) row[i] = rand_float(&seed);
+        ggml_quantize_chunk((enum ggml_type)type, row, (char *)w->data + r0 * w->nb[1], 0, nr, k, NULL);
+    }
+    for (int64_t i = 0; i < ggml_nelements(x); i++) ((float *)x->data)[i] = rand_float(&seed);
+    if (ids) {
+        for (int64_t t = 0; t < n; t++) {  // n_used distinct experts per token
+            int32_t *sel = (int32_t *)ids->data + t * n_used;
+            for (int j = 0; j < n_used; j++) {
+                int e;
+                bool fresh;
+                do {
+                    e = (int)(next_rand(&seed) % (uint64_t)n_expert);
+                    fresh = true;
+                    for (int q = 0; q < j; q++) fresh &= sel[q] != e;
+                } while (!fresh);
+                sel[j] = e;
+            }
+        }
+    }
+    ggml_backend_graph_compute(backend, gf);  // warm up
+    for (int r = 0; r < reps; r++) {
+        double t0 = clock_s(CLOCK_MONOTONIC), c0 = clock_s(CLOCK_PROCESS_CPUTIME_ID);
+        ggml_backend_graph_compute(backend, gf);
+        double dt = clock_s(CLOCK_MONOTONIC) - t0, dc = clock_s(CLOCK_PROCESS_CPUTIME_ID) - c0;
+        if (best < 0 || dt < best) best = dt;
+        if (cpu_seconds && (r == 0 || dc < *cpu_seconds)) *cpu_seconds = dc;
+    }
+done:
+    free(row);
+    if (buf) ggml_backend_buffer_free(buf);
+    ggml_backend_free(backend);
+    ggml_free(ctx);
+    return best;
+}
