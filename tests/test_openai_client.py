@@ -76,3 +76,35 @@ def test_error_objects_raise_the_right_exceptions(served):
     assert err.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("missing")
+
+
+def test_mid_stream_error_raises_and_503_is_an_api_error(tmp_path):
+    """Fault injection through the scheduler's runner interface (fake runner); the client is the real one."""
+    import threading
+    import time
+
+    from dgemma_cli.server.config import ServerConfig
+    from dgemma_cli.store import Store
+    from server_harness import FakeBehaviour, InProcessServer, add_model, fake_factory, write_small_gguf
+
+    store = Store(tmp_path / "models")
+    add_model(store, "tiny", write_small_gguf(tmp_path / "t.gguf"))
+    behaviour = FakeBehaviour(answer="b" * 16, steps=5, step_delay=0.05, crash_at_step=3)
+    config = ServerConfig.from_env({"DGEMMA_MODELS": str(store.root), "DGEMMA_MAX_QUEUE": "1"})
+    with InProcessServer(config, store, fake_factory(behaviour)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIError, match="internal server error"):
+            list(client.chat.completions.create(model="tiny", stream=True, messages=[{"role": "user", "content": "x"}]))
+        behaviour.crash_at_step = None
+        busy = [threading.Thread(target=lambda: client.completions.create(model="tiny", prompt="x")) for _ in range(2)]
+        busy[0].start()
+        deadline = time.monotonic() + 10
+        while behaviour.generations < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        busy[1].start()
+        time.sleep(0.2)
+        with pytest.raises(openai.InternalServerError) as err:  # 503
+            client.completions.create(model="tiny", prompt="x")
+        assert err.value.status_code == 503
+        for thread in busy:
+            thread.join()

@@ -421,3 +421,33 @@ def test_thinking_goes_to_its_own_field(make_server):
         c.post("/api/generate", json={"model": "tiny", "keep_alive": 0})  # reload with the new behaviour
         r = c.post("/api/chat", json={"model": "tiny", "think": True, "messages": [{"role": "user", "content": "q"}]})
         assert r.status_code == 400 and r.json() == {"error": '"tiny" does not support thinking'}
+
+
+def test_open_webui_request_shapes(make_server):
+    """Open WebUI: int() of each version part, ps parsed with fromisoformat, unload via empty prompt + keep_alive 0."""
+    from datetime import datetime
+
+    server, _, _ = make_server()
+    with client(server) as c:
+        assert all(int(part) >= 0 for part in c.get("/api/version").json()["version"].split("."))
+        c.post("/api/generate", json={"model": "tiny", "keep_alive": -1, "stream": False})
+        ps = c.get("/api/ps").json()["models"]
+        forever = datetime.fromisoformat(ps[0]["expires_at"])
+        assert forever.year > datetime.now().year + 200  # "forever" shows ~290 years ahead
+        r = c.post("/api/generate", json={"model": "tiny", "prompt": "", "keep_alive": 0, "stream": False})
+        assert r.json()["done_reason"] == "unload"
+        assert _eventually(lambda: c.get("/api/ps").json()["models"] == [])
+        for model in c.get("/api/tags").json()["models"]:
+            datetime.fromisoformat(model["modified_at"])
+
+
+def test_sse_error_event_after_the_first_byte(make_server):
+    server, behaviour, _ = make_server(behaviour=FakeBehaviour(answer="a" * 20, crash_at_step=2))
+    with client(server) as c:
+        r = c.post("/v1/chat/completions", json={"model": "tiny", "stream": True,
+                                                 "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 200
+        events = [e[len("data: "):] for e in r.text.split("\n\n") if e]
+        assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
+        assert json.loads(events[-1]) == {"error": {"message": "internal server error", "type": "api_error",
+                                                    "param": None, "code": None}}
