@@ -3,7 +3,7 @@ import sys
 
 import typer
 
-from dgemma_cli import cmd_convert, cmd_debug, cmd_run, cmd_serve, cmd_store
+from dgemma_cli import cmd_convert, cmd_debug, cmd_run, cmd_serve, cmd_store, sudoku
 
 app = typer.Typer(
     name="dgemma",
@@ -17,6 +17,7 @@ app.add_typer(cmd_debug.app, name="debug")
 cmd_serve.register(app)
 cmd_store.register(app)
 cmd_run.register(app)
+cmd_run.register_task_renderer(sudoku.run_sudoku)
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:

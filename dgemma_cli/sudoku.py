@@ -1,42 +1,92 @@
-"""The bundled Sudoku model's task: puzzle parsing and grid rendering for `dgemma run sudoku PUZZLE`.
+"""The bundled Sudoku model's task: puzzle parsing, checking and rendering, and `dgemma run sudoku PUZZLE`.
 
-The model (recipes/sudoku/) reads the 81 cells through its chat template and writes one 81-token canvas of digits.
+The model (recipes/sudoku/) reads the 81 cells through its chat template (one `<c{cell}={digit}>` token per cell) and
+writes one 81-token canvas of digits. `run` recognises the model by that template (is_sudoku_model) and hands the run
+to `run_sudoku` (a task renderer, see cmd_run.register_task_renderer):
+
+- stdout not a terminal: exactly 9 lines of 9 digits, nothing else (a fixed interface; notes go to stderr);
+- a terminal: the drawn grid; with `--visual` the grid denoising live, the given clues in bold.
+
+A wrong grid is detectable (it breaks a rule), so `run` checks the answer and asks again with a new seed, up to
+MAX_TRIES times; the last grid is printed either way, with a warning on stderr when it is not a solution.
 """
 from __future__ import annotations
 
-from rich.console import Console
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
 from dgemma_cli.errors import DgemmaError
 
-MODEL_GENERAL_NAME = "dgemma-sudoku"  # general.name of the bundled GGUF: how `run` recognises the task
+if TYPE_CHECKING:
+    from dgemma_cli.cmd_run import TaskContext
 
+MODEL_GENERAL_NAME = "dgemma-sudoku"  # general.name of the bundled GGUF (bundle.py converts from a folder so named)
+CELL_TOKEN_MARK = "<c{{ loop.index0 }}="  # the chat template's per-cell token: how `run` recognises the task
+CANVAS = 81  # one canvas holds the whole answer (num_predict 81)
+MAX_TRIES = 4  # a failed grid is retried with a new seed; most unsolved puzzles are solved within 4 tries
+USAGE_EXAMPLE = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
+
+ROWS = [[r * 9 + c for c in range(9)] for r in range(9)]
+COLS = [[r * 9 + c for r in range(9)] for c in range(9)]
+BOXES = [[(br * 3 + r) * 9 + bc * 3 + c for r in range(3) for c in range(3)] for br in range(3) for bc in range(3)]
+UNITS = [("row", i + 1, u) for i, u in enumerate(ROWS)] + [("column", i + 1, u) for i, u in enumerate(COLS)] + \
+    [("box", i + 1, u) for i, u in enumerate(BOXES)]
+
+
+# ---- puzzles and grids ----------------------------------------------------------------------------------------------
 
 def parse_puzzle(text: str) -> str:
-    """81 cells: digits 1-9, `0` or `.` for blanks, whitespace ignored -> 81 chars of '0'-'9'."""
+    """81 cells: digits 1-9, `0` or `.` for blanks, whitespace ignored -> 81 chars of '0'-'9'. Givens that already
+    break a rule (the same digit twice in a row, column or box) are rejected too: no grid could solve them."""
     cells = "".join(text.split()).replace(".", "0")
     bad = sorted({ch for ch in cells if ch not in "0123456789"})
     if bad:
         raise DgemmaError(f"invalid sudoku puzzle: unexpected character {bad[0]!r} (use digits, '0' or '.' for blanks)")
-    if len(cells) != 81:
+    if len(cells) != CANVAS:
         raise DgemmaError(f"invalid sudoku puzzle: expected 81 cells, got {len(cells)}")
+    for kind, number, unit in UNITS:
+        givens = [cells[i] for i in unit if cells[i] != "0"]
+        repeated = sorted({d for d in givens if givens.count(d) > 1})
+        if repeated:
+            raise DgemmaError(f"invalid sudoku puzzle: digit {repeated[0]} appears twice in {kind} {number}")
     return cells
 
 
 def answer_grid(text: str) -> str:
     """The model's decoded canvas -> 81 chars; a missing or non-digit cell becomes '?' so it never passes as solved."""
-    digits = [ch if ch in "123456789" else "?" for ch in "".join(text.split())[:81]]
-    return "".join(digits).ljust(81, "?")
+    digits = [ch if ch in "123456789" else "?" for ch in "".join(text.split())[:CANVAS]]
+    return "".join(digits).ljust(CANVAS, "?")
+
+
+def is_solution(puzzle: str, grid: str) -> bool:
+    """`grid` fills every cell with 1-9, keeps every given of `puzzle`, and each row, column and box has 9 digits."""
+    if len(grid) != CANVAS or any(ch not in "123456789" for ch in grid):
+        return False
+    if any(p != "0" and p != g for p, g in zip(puzzle, grid)):
+        return False
+    return all(len({grid[i] for i in unit}) == 9 for _, _, unit in UNITS)
+
+
+def prompt_text(puzzle: str) -> str:
+    """What the model's chat template renders for a user message holding `puzzle` (bench and tests tokenize it)."""
+    return "<bos>" + "".join(f"<c{cell}={digit}>" for cell, digit in enumerate(puzzle))
 
 
 def plain_lines(grid: str) -> str:
-    """Exactly 9 lines of 9 characters (the non-TTY output; a fixed interface)."""
-    return "\n".join(grid[r * 9:(r + 1) * 9] for r in range(9))
+    """Exactly 9 lines of 9 digits (the non-TTY output; a fixed interface). A cell the model left without a digit
+    prints as 0, the puzzle's own blank mark."""
+    digits = grid.replace("?", "0")
+    return "\n".join(digits[r * 9:(r + 1) * 9] for r in range(9))
 
 
-def grid_table(puzzle: str, grid: str, title: str | None = None) -> Table:
-    """A drawn grid: givens bold, filled cells in another style, 3x3 boxes separated."""
+def grid_table(puzzle: str, grid: str, title: str | None = None, changed: Sequence[bool] | None = None) -> Table:
+    """A drawn grid: givens bold, filled cells cyan (dim while still changing), 3x3 boxes separated."""
     table = Table(show_header=False, show_lines=False, box=None, padding=(0, 0), title=title)
     table.add_column(no_wrap=True)
     for r in range(9):
@@ -46,8 +96,14 @@ def grid_table(puzzle: str, grid: str, title: str | None = None) -> Table:
         for c in range(9):
             if c in (3, 6):
                 line.append("| ", style="dim")
-            given = puzzle[r * 9 + c] != "0"
-            line.append(grid[r * 9 + c], style="bold" if given else "cyan")
+            i = r * 9 + c
+            if puzzle[i] != "0":
+                style = "bold"
+            elif changed is not None and changed[i]:
+                style = "dim cyan"
+            else:
+                style = "cyan"
+            line.append(grid[i], style=style)
             line.append(" ")
         table.add_row(line)
     return table
@@ -55,3 +111,153 @@ def grid_table(puzzle: str, grid: str, title: str | None = None) -> Table:
 
 def print_grid(console: Console, puzzle: str, grid: str) -> None:
     console.print(grid_table(puzzle, grid))
+
+
+# ---- solving through the engine directly (bench/sudoku.py, tests) ----------------------------------------------------
+
+@dataclass(frozen=True)
+class Solution:
+    grid: str  # 81 chars, '?' where the canvas holds no digit
+    steps: int  # denoising steps used
+    seconds: float  # prefill + denoising
+
+
+def solve_with_engine(model: Any, tokenizer: Any, puzzle: str, params: Any, ctx: Any = None) -> Solution:
+    """One generation of one canvas on a loaded `dgemma_engine` model (`params`: a SamplerParams)."""
+    from dgemma_engine.generate import CanvasEvent, eos_ids_from_metadata, generate
+    from dgemma_engine.model import Context
+
+    prompt = tokenizer.encode(prompt_text(puzzle), special=True)
+    own = ctx is None
+    ctx = ctx if ctx is not None else Context(model, n_ctx=len(prompt) + CANVAS, threads=None)
+    try:
+        ctx.reset()
+        start = time.perf_counter()
+        for event in generate(ctx, prompt, params, max_new_tokens=CANVAS, eos_ids=eos_ids_from_metadata(model.metadata)):
+            if isinstance(event, CanvasEvent):
+                committed = event
+        seconds = time.perf_counter() - start
+    finally:
+        if own:
+            ctx.close()
+    canvas = list(committed.canvas)
+    if committed.eos_position is not None:  # as transformers: the EOS ends the answer (pad after it)
+        canvas = canvas[:committed.eos_position]
+    digits = "".join(_digit_of(tokenizer, t) for t in canvas)
+    return Solution(digits.ljust(CANVAS, "?"), committed.steps, seconds)
+
+
+def _digit_of(tokenizer: Any, token_id: int) -> str:
+    text = tokenizer.tokens[token_id] if 0 <= token_id < len(tokenizer.tokens) else ""
+    return text if len(text) == 1 and text in "123456789" else "?"
+
+
+# ---- `dgemma run sudoku PUZZLE` ---------------------------------------------------------------------------------------
+
+def is_sudoku_model(show: dict[str, Any]) -> bool:
+    """`/api/show` omits `general.name` (as Ollama does), so the task is recognised by what defines it: a chat
+    template that writes one cell token per puzzle character, and a canvas of exactly 81 positions."""
+    canvas = (show.get("model_info") or {}).get("diffusion.canvas_length")
+    return canvas == CANVAS and CELL_TOKEN_MARK in str(show.get("template") or "")
+
+
+def run_sudoku(context: "TaskContext") -> bool:
+    """The task renderer: handles the run when the model is the Sudoku model, else returns False."""
+    if not is_sudoku_model(context.show):
+        return False
+    if context.prompt is None:
+        raise DgemmaError(f"the sudoku model needs a puzzle: dgemma run {context.settings.model} PUZZLE "
+                          f"(81 cells: digits, 0 or . for blanks; e.g. {USAGE_EXAMPLE})")
+    puzzle = parse_puzzle(context.prompt)
+    from dgemma_cli.cmd_run import Spinner, is_tty
+
+    tty = is_tty(sys.stdout)
+    console = Console(file=sys.stdout) if tty else None
+    view = LiveGrid(console, puzzle) if (tty and context.settings.visual) else None
+    spinner = Spinner(sys.stderr, enabled=tty and view is None and is_tty(sys.stderr))
+    user_seed = context.settings.options.get("seed")
+    grid, tries, steps = "?" * CANVAS, 0, 0
+    try:
+        spinner.start("solving")
+        for attempt in range(MAX_TRIES):
+            tries += 1
+            seed = None if user_seed is None else int(user_seed) + attempt
+            grid, used = _one_try(context, puzzle, seed, view, spinner)
+            steps += used
+            if is_solution(puzzle, grid):
+                break
+    finally:
+        spinner.stop()
+        if view is not None:
+            view.stop()
+    solved = is_solution(puzzle, grid)
+    if console is not None:
+        print_grid(console, puzzle, grid)
+    else:
+        sys.stdout.write(plain_lines(grid) + "\n")
+        sys.stdout.flush()
+    if context.settings.verbose:
+        print(f"tries: {tries}\ndenoising steps: {steps}", file=sys.stderr)
+    if not solved:
+        print(f"warning: the model's grid is not a valid solution ({tries} tries)", file=sys.stderr)
+    return True
+
+
+def _one_try(context: "TaskContext", puzzle: str, seed: int | None, view: "LiveGrid | None",
+             spinner: Any) -> tuple[str, int]:
+    """One generation over the REST API; returns (answer grid, denoising steps)."""
+    from dgemma_cli.cmd_run import chunk_text, is_progress
+
+    options = {"num_predict": CANVAS, **context.settings.options}
+    options.pop("seed", None)
+    if seed is not None:
+        options["seed"] = seed
+    options["diffusion_progress"] = True
+    if view is not None:
+        options["diffusion_preview"] = True
+    body = {"model": context.settings.model, "prompt": puzzle, "options": options}
+    if context.settings.keep_alive is not None:
+        body["keep_alive"] = context.settings.keep_alive
+    text, steps = "", 0
+    chunks = context.client.generate_stream(body)
+    try:
+        for chunk in chunks:
+            if chunk.get("done"):
+                steps = int(chunk.get("denoise_steps") or steps)
+            elif is_progress(chunk):
+                steps = int(chunk.get("completed") or steps)
+                spinner.set(f"solving · step {chunk.get('completed')}/{chunk.get('total')}")
+                if view is not None and chunk.get("preview") is not None:
+                    view.update(answer_grid(str(chunk["preview"])), chunk.get("completed"), chunk.get("total"))
+            else:
+                text += chunk_text(chunk)[0]
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
+    return answer_grid(text), steps
+
+
+class LiveGrid:
+    """`--visual`: the draft grid redrawn at each denoising step; cells that changed since the last step are dimmed."""
+
+    def __init__(self, console: Console, puzzle: str):
+        from rich.live import Live
+
+        self.puzzle = puzzle
+        self.previous = "?" * CANVAS
+        self.live = Live(self._frame(self.previous, None, None), console=console, refresh_per_second=20,
+                         transient=True)
+        self.live.start()
+
+    def _frame(self, grid: str, step: Any, total: Any) -> Group:
+        changed = [a != b for a, b in zip(grid, self.previous)]
+        counter = Text(f"step {step}/{total}" if step is not None else "starting", style="cyan")
+        return Group(grid_table(self.puzzle, grid, changed=changed), counter)
+
+    def update(self, grid: str, step: Any, total: Any) -> None:
+        self.live.update(self._frame(grid, step, total))
+        self.previous = grid
+
+    def stop(self) -> None:
+        self.live.stop()

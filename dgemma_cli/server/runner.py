@@ -87,6 +87,9 @@ class EngineRunner:
         from dgemma_engine.model import Model
         from dgemma_engine.tokenizer import Tokenizer
 
+        if threads is None:  # a Modelfile's `PARAMETER num_thread N` (Ollama's meaning); None: the engine's default
+            num_thread = (getattr(local_model, "parameters", None) or {}).get("num_thread")
+            threads = int(num_thread) if isinstance(num_thread, int) and num_thread > 0 else None
         self.threads = threads
         self._lock = threading.Lock()
         self._contexts: list[Any] = []

@@ -1,0 +1,181 @@
+"""Benchmark the bundled Sudoku model: solve rates, denoising steps, wall time, and agreement with transformers.
+
+    python bench/sudoku.py                       # 500 puzzles per level (the issue's measurement; tens of minutes)
+    python bench/sudoku.py --n 50 --hf-n 20      # a quick look
+
+For each difficulty (easy 36-45 clues, medium 30-35, hard 24-29), N unique-solution puzzles from
+recipes/sudoku/puzzles.py with seed 20000 (training evaluates on seed 10000+, so the sets are disjoint), puzzle i
+generated with sampler seed i:
+
+- dgemma, adaptive stop (the released sampler, torch-RNG mode): solve rate, mean denoising steps, wall time per puzzle;
+- dgemma, a fixed 48 steps (the early stop disabled): solve rate, wall time;
+- dgemma with up to --tries attempts (what `dgemma run sudoku` does: a grid that breaks a rule is retried with a new
+  seed): solve rate;
+- transformers' generate() on the original checkpoint (first --hf-n puzzles, same seeds, adaptive): solve rate, mean
+  steps, wall time, and the agreement with dgemma puzzle by puzzle (identical grid; identical step count).
+
+"Solved" = a complete grid that keeps every clue and breaks no rule (puzzles.is_valid_solution). Timings are per
+puzzle at batch 1 with --threads threads. Without torch/transformers installed, pass --hf-n 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "recipes" / "sudoku"))
+import puzzles  # noqa: E402
+
+BENCH_SEED = 20_000
+RETRY_SEED_STRIDE = 1_000_003  # try k of puzzle i uses seed i + k * stride (never another puzzle's seed)
+LEVELS = ("easy", "medium", "hard")
+
+
+@dataclass
+class Run:
+    """One configuration on one level: per-puzzle grids, steps and seconds."""
+
+    grids: list[str]
+    steps: list[int]
+    seconds: list[float]
+
+    def solved(self, cases: list[tuple[str, str]]) -> list[bool]:
+        return [puzzles.is_valid_solution(p, g) for (p, _), g in zip(cases, self.grids)]
+
+    def summary(self, cases: list[tuple[str, str]]) -> dict:
+        ok = self.solved(cases)
+        return {"n": len(self.grids), "solved": sum(ok), "solve_rate": round(sum(ok) / max(1, len(ok)), 4),
+                "mean_steps": round(statistics.fmean(self.steps), 2) if self.steps else None,
+                "s_per_puzzle": round(statistics.fmean(self.seconds), 4) if self.seconds else None}
+
+
+def load_cases(level: str, n: int, cache_dir: Path) -> list[tuple[str, str]]:
+    """The level's puzzle set; cached on disk because hard unique puzzles take ~0.1-0.5 s each to generate."""
+    path = cache_dir / f"{level}-{BENCH_SEED}-{n}.json"
+    if path.is_file():
+        return [tuple(c) for c in json.loads(path.read_text())]
+    cases = puzzles.puzzle_set(level, n, seed=BENCH_SEED)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cases))
+    return cases
+
+
+class Dgemma:
+    def __init__(self, gguf: Path, threads: int):
+        from dgemma_engine.model import Context, Model
+        from dgemma_engine.tokenizer import Tokenizer
+
+        self.model = Model.load(str(gguf), threads=threads)
+        self.tokenizer = Tokenizer.from_metadata(self.model.metadata)
+        self.ctx = Context(self.model, n_ctx=256, threads=threads)
+
+    def run(self, cases: list[tuple[str, str]], adaptive: bool = True, seed_offset: int = 0,
+            only: list[int] | None = None) -> Run:
+        from dgemma_cli.sudoku import solve_with_engine
+        from dgemma_engine.generate import SamplerParams
+
+        run = Run([], [], [])
+        for i in (only if only is not None else range(len(cases))):
+            overrides = {} if adaptive else {"stability_threshold": 49}  # S > N: the early stop never fires
+            params = SamplerParams.from_metadata(self.model.metadata, seed=i + seed_offset, rng="torch", **overrides)
+            sol = solve_with_engine(self.model, self.tokenizer, cases[i][0], params, self.ctx)
+            run.grids.append(sol.grid)
+            run.steps.append(sol.steps)
+            run.seconds.append(sol.seconds)
+        return run
+
+
+def with_retries(engine: Dgemma, cases: list[tuple[str, str]], first: Run, tries: int) -> list[bool]:
+    """Solved within `tries` attempts: failed puzzles are asked again with new seeds."""
+    solved = first.solved(cases)
+    for k in range(1, tries):
+        failed = [i for i, ok in enumerate(solved) if not ok]
+        if not failed:
+            break
+        again = engine.run(cases, seed_offset=k * RETRY_SEED_STRIDE, only=failed)
+        for i, grid in zip(failed, again.grids):
+            solved[i] = puzzles.is_valid_solution(cases[i][0], grid)
+    return solved
+
+
+def run_transformers(checkpoint: Path, cases: list[tuple[str, str]], threads: int) -> Run:
+    import reference
+
+    model = reference.load(checkpoint, threads=threads)
+    run = Run([], [], [])
+    for i, (puzzle, _) in enumerate(cases):
+        sol = reference.solve(model, puzzle, seed=i)
+        run.grids.append(sol.grid)
+        run.steps.append(sol.steps)
+        run.seconds.append(sol.seconds)
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=500, help="puzzles per level")
+    ap.add_argument("--levels", nargs="+", default=list(LEVELS), choices=LEVELS)
+    ap.add_argument("--gguf", type=Path, default=REPO / "modelfiles" / "sudoku.gguf")
+    ap.add_argument("--checkpoint", type=Path, default=REPO / "recipes" / "sudoku" / "checkpoint")
+    ap.add_argument("--hf-n", type=int, default=None, help="puzzles per level through transformers (default: --n)")
+    ap.add_argument("--no-fixed", action="store_true", help="skip the fixed-48-steps run")
+    ap.add_argument("--tries", type=int, default=4, help="attempts per puzzle for the with-retries rate")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache", type=Path, default=Path("/tmp/dgemma-sudoku-bench"), help="puzzle set cache")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args()
+    hf_n = args.n if args.hf_n is None else min(args.hf_n, args.n)
+
+    engine = Dgemma(args.gguf, args.threads)
+    results: dict = {"gguf": str(args.gguf), "gguf_type": int(engine.model.metadata["general.file_type"]),
+                     "n": args.n, "hf_n": hf_n, "threads": args.threads, "bench_seed": BENCH_SEED, "levels": {}}
+    bundle = args.checkpoint / "bundle.json"
+    if bundle.is_file():
+        results["bundle"] = json.loads(bundle.read_text())
+    for level in args.levels:
+        t0 = time.perf_counter()
+        cases = load_cases(level, args.n, args.cache)
+        adaptive = engine.run(cases)
+        row = {"adaptive": adaptive.summary(cases)}
+        if not args.no_fixed:
+            row["fixed48"] = engine.run(cases, adaptive=False).summary(cases)
+        solved = with_retries(engine, cases, adaptive, args.tries)
+        row[f"within_{args.tries}_tries"] = {"solved": sum(solved), "solve_rate": round(sum(solved) / len(solved), 4)}
+        if hf_n > 0:
+            hf = run_transformers(args.checkpoint, cases[:hf_n], args.threads)
+            row["transformers"] = hf.summary(cases[:hf_n])
+            same_grid = [a == b for a, b in zip(hf.grids, adaptive.grids)]
+            same_steps = [a == b for a, b in zip(hf.steps, adaptive.steps)]
+            row["agreement"] = {"n": hf_n, "same_grid": sum(same_grid), "same_steps": sum(same_steps),
+                                "rate": round(sum(same_grid) / hf_n, 4),
+                                "differing_puzzles": [i for i, same in enumerate(same_grid) if not same]}
+        row["bench_seconds"] = round(time.perf_counter() - t0, 1)
+        results["levels"][level] = row
+        print(json.dumps({level: row}), flush=True)
+    print_table(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def print_table(results: dict) -> None:
+    print("\n| level | solved (adaptive) | mean steps | s/puzzle | solved (fixed 48) | s/puzzle (48) | solved (retries) "
+          "| transformers solved | mean steps (tf) | agreement |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for level, row in results["levels"].items():
+        a, f = row["adaptive"], row.get("fixed48") or {}
+        retry = next(v for k, v in row.items() if k.startswith("within_"))
+        tf, agree = row.get("transformers") or {}, row.get("agreement") or {}
+        cells = [level, f"{a['solve_rate']:.1%} ({a['solved']}/{a['n']})", a["mean_steps"], a["s_per_puzzle"],
+                 f"{f['solve_rate']:.1%}" if f else "-", f.get("s_per_puzzle", "-"), f"{retry['solve_rate']:.1%}",
+                 f"{tf['solve_rate']:.1%} ({tf['solved']}/{tf['n']})" if tf else "-", tf.get("mean_steps", "-"),
+                 f"{agree['same_grid']}/{agree['n']}" if agree else "-"]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
