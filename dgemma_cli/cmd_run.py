@@ -12,14 +12,16 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Optional, TextIO
+from typing import TYPE_CHECKING, Any, Optional, TextIO
 
 import typer
 from typer.core import TyperCommand
 
-from dgemma_cli.client import ApiError, Client, connect
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.render import AnswerPrinter, timing_block
+
+if TYPE_CHECKING:  # httpx is imported only by the commands that talk to a server (keeps `dgemma --help` quick)
+    from dgemma_cli.client import Client
 
 ARCHITECTURE = "diffusion-gemma"
 THINK_VALUES = ("true", "false", "high", "medium", "low", "max")
@@ -249,6 +251,8 @@ def pull_with_progress(client: Client, model: str, insecure: bool) -> None:
 
 def ensure_model(client: Client, model: str, insecure: bool = False, pull: bool = True) -> dict[str, Any]:
     """`/api/show`, pulling the model first on a 404 (Ollama's run), then the architecture check."""
+    from dgemma_cli.client import ApiError
+
     try:
         show = client.show(model)
     except ApiError as exc:
@@ -333,6 +337,8 @@ def run(
     text = None
     if not interactive:
         text = " ".join(part for part in (read_piped_stdin().strip(), " ".join(words)) if part)
+    from dgemma_cli.client import connect
+
     say = (lambda message: print(message, file=sys.stderr)) if verbose else None
     with connect(say) as client:
         show = ensure_model(client, model, insecure)
@@ -396,12 +402,16 @@ def ps_table(models: list[dict[str, Any]], prefix: str | None = None) -> str:
 
 def ps(prefix: Optional[str] = typer.Argument(None, help="only names starting with this (any case)")) -> None:
     """List running models."""
+    from dgemma_cli.client import connect
+
     with connect() as client:
         print(ps_table(client.ps().get("models") or [], prefix))
 
 
 def stop(model: str = typer.Argument(..., help="model to unload")) -> None:
     """Stop (unload) a running model."""
+    from dgemma_cli.client import ApiError, connect
+
     with connect() as client:
         try:
             client.generate({"model": model, "prompt": "", "keep_alive": 0})
