@@ -10,7 +10,7 @@ import pytest
 
 from dgemma_cli.server.config import ServerConfig
 from dgemma_cli.store import Store
-from server_harness import FakeBehaviour, InProcessServer, add_model, fake_factory, ndjson, write_small_gguf
+from server_harness import FakeBehaviour, InProcessServer, add_model, fake_factory, write_small_gguf
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,7 @@
 """Native Ollama API (spec ollama-compat.md §2): inference, info and store endpoints."""
 import asyncio
 import hashlib
-import json
 import logging
-import math
-import os
 import shutil
 import threading
 import time
@@ -27,7 +24,6 @@ from dgemma_cli.server.streaming import (
     GuardedStreamingResponse,
     WorkerStream,
     collect,
-    error_message,
     json_line,
     stream_error_line,
     timestamp,

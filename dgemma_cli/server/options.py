@@ -6,7 +6,7 @@ to the reference `generation_config.json` values.
 """
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dgemma_cli.server.errors import RequestError
@@ -95,7 +95,6 @@ class SamplerSettings:
     stop: tuple[str, ...] = ()
     progress: bool = False
     preview: bool = False
-    ignored: tuple[str, ...] = field(default=())
 
 
 def _metadata_default(metadata: dict, option: str) -> float | int:
