@@ -56,6 +56,7 @@ def test_root_version_and_empty_lists(make_server):
         version = c.get("/api/version").json()
         assert re.fullmatch(r"\d+(\.\d+)+", version["version"]) and version["dgemma_version"]
         assert c.get("/api/ps").json() == {"models": []}
+        assert c.head("/api/version").status_code == 200 and c.head("/api/tags").status_code == 200
         assert c.get("/nope").status_code == 404
         assert c.get("/api/generate").status_code == 405
 
@@ -451,3 +452,13 @@ def test_sse_error_event_after_the_first_byte(make_server):
         assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
         assert json.loads(events[-1]) == {"error": {"message": "internal server error", "type": "api_error",
                                                     "param": None, "code": None}}
+
+
+def test_load_timeout_is_a_500_and_the_load_still_completes(make_server):
+    server, behaviour, _ = make_server(env={"DGEMMA_LOAD_TIMEOUT": "300ms"}, behaviour=FakeBehaviour(load_delay=1.0))
+    with client(server) as c:
+        r = c.post("/api/generate", json={"model": "tiny", "prompt": "x", "stream": False})
+        assert r.status_code == 500 and r.json() == {"error": "timed out waiting for model to load"}
+        assert _eventually(lambda: behaviour.loads == 1, timeout=5)
+        assert c.post("/api/generate", json={"model": "tiny", "prompt": "x", "stream": False}).json()["done"]
+        assert behaviour.loads == 1  # the finished load is reused
