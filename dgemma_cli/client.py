@@ -102,6 +102,17 @@ class LocalServer:
         self.sock.close()
 
 
+@contextlib.contextmanager
+def transport_errors(base_url: str) -> Iterator[None]:
+    """Network failures (server gone, connection reset mid-stream) become one clear line, never a traceback."""
+    try:
+        yield
+    except httpx.TimeoutException:
+        raise DgemmaError(f"timed out waiting for the dgemma server at {base_url}") from None
+    except httpx.HTTPError as exc:
+        raise DgemmaError(f"lost the connection to the dgemma server at {base_url}: {exc or type(exc).__name__}") from None
+
+
 @dataclass
 class Client:
     base_url: str
@@ -116,17 +127,22 @@ class Client:
         return response
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = self._check(self.http.post(path, json=body, timeout=CALL_TIMEOUT))
-        return response.json() if response.content else {}
+        with transport_errors(self.base_url):
+            response = self._check(self.http.post(path, json=body, timeout=CALL_TIMEOUT))
+            return response.json() if response.content else {}
+
+    def _get(self, path: str) -> dict[str, Any]:
+        with transport_errors(self.base_url):
+            return self._check(self.http.get(path)).json()
 
     def version(self) -> dict[str, Any]:
-        return self._check(self.http.get("/api/version")).json()
+        return self._get("/api/version")
 
     def show(self, model: str, verbose: bool = False) -> dict[str, Any]:
         return self._post("/api/show", {"model": model, "verbose": verbose})
 
     def ps(self) -> dict[str, Any]:
-        return self._check(self.http.get("/api/ps")).json()
+        return self._get("/api/ps")
 
     def generate(self, body: dict[str, Any]) -> dict[str, Any]:
         return self._post("/api/generate", {**body, "stream": False})
@@ -135,7 +151,8 @@ class Client:
 
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """POST with `stream: true` and yield each NDJSON object; an in-stream `{"error": ...}` raises ApiError."""
-        with self.http.stream("POST", path, json={**body, "stream": True}, timeout=STREAM_TIMEOUT) as response:
+        with transport_errors(self.base_url), \
+                self.http.stream("POST", path, json={**body, "stream": True}, timeout=STREAM_TIMEOUT) as response:
             if response.status_code >= 400:
                 response.read()
                 raise ApiError(_error_text(response), response.status_code)

@@ -57,10 +57,11 @@ def test_one_shot_piped_stdin_is_prepended(setup):
 
 
 def test_piped_stdin_alone_runs_non_interactively(setup):
-    result = run_cli(["run", "tiny"], setup.env(), stdin="only stdin")
+    result = run_cli(["run", "tiny", "--visual"], setup.env(), stdin="only stdin")
     assert result.returncode == 0, result.stderr
-    assert result.stdout == ANSWER + "\n"
+    assert result.stdout == ANSWER + "\n"  # --visual off a terminal: plain streaming
     assert setup.behaviour.last_prompt[-1] == "<user>only stdin<assistant>"
+    assert not setup.behaviour.last_sampler[-1].progress  # no per-step chunks were even requested
 
 
 def test_empty_prompt_only_loads(setup):
@@ -198,3 +199,63 @@ def test_thinking_shown_then_hidden(setup):
     assert shown.stdout == "Thinking...\nLet me think.\n...done thinking.\n\nThe answer.\n"  # no colours off-terminal
     assert hidden.returncode == 0, hidden.stderr
     assert hidden.stdout == "The answer.\n"
+
+
+class DyingServer:
+    """A raw HTTP server that answers the probe and `/api/show`, then cuts a generation stream after one line."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        import json
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    data = conn.recv(4096)
+                    if not data:
+                        break
+                    head += data
+                header, _, body = head.partition(b"\r\n\r\n")
+                length = int(re.search(rb"(?i)content-length: *(\d+)", header).group(1)) if b"ength:" in header else 0
+                while len(body) < length:
+                    body += conn.recv(4096)
+                if header.startswith(b"HEAD"):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                elif b"/api/show" in header.split(b"\r\n")[0]:
+                    payload = json.dumps({"model_info": {"general.architecture": "diffusion-gemma"}}).encode()
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                                 b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+                else:
+                    line = b'{"response":"partial","done":false}\n'
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
+                                 b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(line), line))
+                    # ... and the server dies mid-stream: no terminating chunk
+
+    def close(self):
+        self.sock.close()
+
+
+def test_error_server_dies_mid_stream(setup):
+    server = DyingServer()
+    try:
+        result = run_cli(["run", "m", "hi"], setup.env(DGEMMA_HOST=f"127.0.0.1:{server.port}"))
+    finally:
+        server.close()
+    assert result.returncode == 1
+    assert result.stdout == "partial\n"  # what arrived is kept, on its own line
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"Error: lost the connection to the dgemma server at http://127.0.0.1:{server.port}"), line
