@@ -73,6 +73,7 @@ class FakeBehaviour:
     generations: int = 0
     cancelled_at: list[float] = field(default_factory=list)  # saw the cancel flag between steps
     finished_at: list[float] = field(default_factory=list)  # the generation loop ended (any way)
+    loaded_at: list[float] = field(default_factory=list)
     last_prompt: list[str] = field(default_factory=list)
     last_sampler: list[Any] = field(default_factory=list)
 
@@ -85,6 +86,7 @@ class FakeRunner:
         if behaviour.load_delay:
             time.sleep(behaviour.load_delay)
         behaviour.loads += 1
+        behaviour.loaded_at.append(time.perf_counter())
         self.canvas_length = behaviour.canvas_length
         self.context_length = num_ctx
         self.size = 1234

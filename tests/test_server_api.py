@@ -462,3 +462,19 @@ def test_load_timeout_is_a_500_and_the_load_still_completes(make_server):
         assert _eventually(lambda: behaviour.loads == 1, timeout=5)
         assert c.post("/api/generate", json={"model": "tiny", "prompt": "x", "stream": False}).json()["done"]
         assert behaviour.loads == 1  # the finished load is reused
+
+
+def test_other_model_waits_for_the_busy_one_then_evicts_it(make_server):
+    server, behaviour, _ = make_server(behaviour=FakeBehaviour(answer="w" * 16, steps=5, step_delay=0.06))
+    results: dict = {}
+    first = _stream_in_thread(server.url + "/api/generate", {"model": "tiny", "prompt": "x"}, results, "tiny")
+    assert _eventually(lambda: behaviour.generations == 1)
+    with client(server) as c:
+        assert c.get("/api/ps").json()["models"][0]["name"] == "tiny:latest"
+        r = c.post("/api/generate", json={"model": "other", "prompt": "y", "stream": False})
+        assert r.status_code == 200 and r.json()["done"]
+        assert behaviour.loaded_at[1] >= behaviour.finished_at[0]  # `other` loaded only after tiny's generation
+        assert [m["name"] for m in c.get("/api/ps").json()["models"]] == ["other:latest"]
+    first.join()
+    assert results["tiny"][0] == 200 and ndjson_text(results["tiny"][1])[-1]["done"]
+    assert behaviour.loads == 2 and behaviour.closes == 1
