@@ -14,12 +14,17 @@ struct ggml_tensor *dg_build_rmsw(struct ggml_context *ctx, const dg_model *m, s
     return w ? ggml_mul(ctx, y, w) : y;
 }
 
-// gelu_tanh(x) = 0.5·x·(1 + tanh(sqrt(2/π)·(x + 0.044715·x³))), from exact f32 ops
+// gelu_tanh(x) = 0.5·x·(1 + tanh(u)) = x·σ(2u), u = sqrt(2/π)·(x + 0.044715·x³), from exact f32 ops.
+// (σ form: ggml's sigmoid is expf-based, several times cheaper than its tanhf; the two agree to an ulp.)
 static struct ggml_tensor *gelu_tanh(struct ggml_context *ctx, struct ggml_tensor *x) {
-    const float sqrt_2_over_pi = 0.79788456080286535588f;
+    const float two_sqrt_2_over_pi = 1.5957691216057308f;
     struct ggml_tensor *inner = ggml_mul(ctx, x, ggml_scale_bias(ctx, ggml_sqr(ctx, x), 0.044715f, 1.0f));
-    struct ggml_tensor *t = ggml_tanh(ctx, ggml_scale(ctx, inner, sqrt_2_over_pi));
-    return ggml_mul(ctx, x, ggml_scale_bias(ctx, t, 0.5f, 0.5f));
+    return ggml_mul(ctx, x, ggml_sigmoid(ctx, ggml_scale(ctx, inner, two_sqrt_2_over_pi)));
+}
+
+// cap·tanh(x / cap) = 2·cap·σ(2x / cap) − cap (the final logit softcap; same σ trick, absolute error ~2e-6)
+struct ggml_tensor *dg_build_softcap(struct ggml_context *ctx, struct ggml_tensor *x, float cap) {
+    return ggml_scale_bias(ctx, ggml_sigmoid(ctx, ggml_scale(ctx, x, 2.0f / cap)), 2.0f * cap, -cap);
 }
 
 struct ggml_tensor *dg_build_gated_mlp(struct ggml_context *ctx, struct ggml_tensor *x, struct ggml_tensor *gate,
