@@ -80,11 +80,15 @@ class LocalServer:
         config = ServerConfig.from_env()
         config.host = HostAddress("http", "127.0.0.1", port)
         config.noprune = True
-        if not config.debug:  # the command's own output is what the user reads
-            logging.getLogger("dgemma.server").setLevel(logging.ERROR)
+        if not config.debug:
+            # The command's own output is what the user reads: failures reach it as the server's `{"error": ...}`
+            # answers, so the server's log lines (and their tracebacks) are not printed as well.
+            server_log = logging.getLogger("dgemma.server")
+            server_log.addHandler(logging.NullHandler())
+            server_log.propagate = False
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(config), log_level="error", lifespan="on",
-                                                    timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(uvicorn.Config(create_app(config), log_level="debug" if config.debug else "critical",
+                                                    lifespan="on", timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="dgemma-local-server",
                                        daemon=True)
 
