@@ -20,9 +20,19 @@ from dgemma_cli.render import show_info_text
 PROMPT = ">>> "
 CONTINUATION = "... "
 TRIPLE = '"""'
-LISTED_PARAMETERS = ("seed", "num_predict", "num_ctx", "temperature", "stop", "diffusion_steps", "diffusion_t_max",
-                     "diffusion_t_min", "diffusion_entropy_bound", "diffusion_confidence_threshold",
-                     "diffusion_stability_threshold")
+LISTED_PARAMETERS = (
+    ("seed", "<int>", "Random number seed (same seed, same answer)"),
+    ("num_predict", "<int>", "Max number of tokens to predict (whole canvases are denoised)"),
+    ("num_ctx", "<int>", "Set the context size"),
+    ("temperature", "<float>", "0 makes every step argmax; other values are ignored (use diffusion_t_*)"),
+    ("stop", "<string> <string> ...", "Set the stop parameters"),
+    ("diffusion_steps", "<int>", "Max denoising steps per canvas"),
+    ("diffusion_t_max", "<float>", "Sampling temperature at the first step"),
+    ("diffusion_t_min", "<float>", "Sampling temperature at the last step"),
+    ("diffusion_entropy_bound", "<float>", "Entropy bound of the sampler"),
+    ("diffusion_confidence_threshold", "<float>", "Mean entropy below which a canvas may stop early"),
+    ("diffusion_stability_threshold", "<int>", "Unchanged steps needed to stop early"),
+)
 
 HELP = """Available Commands:
   /set            Set session variables
@@ -304,7 +314,9 @@ class Repl:
         from dgemma_cli.modelfile import parse_parameter
 
         if not args:
-            self.say("Available Parameters:\n" + "\n".join(f"  {name}" for name in LISTED_PARAMETERS))
+            usage = [(f"/set parameter {name} {kind}", text) for name, kind, text in LISTED_PARAMETERS]
+            width = max(len(u) for u, _ in usage)
+            self.say("Available Parameters:\n" + "\n".join(f"  {u:<{width}}    {text}" for u, text in usage))
             return
         if len(args) < 2:
             self.say(f"Couldn't set parameter: \"missing value for '{args[0]}'\"")
@@ -342,9 +354,13 @@ class Repl:
             self.say("Model defined parameters:")
             self.say(show.get("parameters") or "No parameters were specified for this model.")
             if self.settings.options:
+                from dgemma_cli.cmd_store import go_value
+
                 self.say("\nUser defined parameters:")
                 for key in sorted(self.settings.options):
-                    self.say(f"{key:<30} {self.settings.options[key]}")
+                    value = self.settings.options[key]
+                    for item in value if isinstance(value, list) else [value]:  # `stop` repeats its key per value
+                        self.say(f"{key:<30} {go_value(item)}")
         elif what == "system":
             self.say(self.settings.system or show.get("system") or "No system message was specified for this model.")
         elif what == "template":
