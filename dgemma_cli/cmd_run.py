@@ -234,21 +234,6 @@ def stream_answer(chunks: Iterator[dict[str, Any]], output: Output) -> tuple[dic
 
 # ---- model resolution -----------------------------------------------------------------------------------------------
 
-def pull_with_progress(client: Client, model: str, insecure: bool) -> None:
-    """The pull UI of `dgemma pull` on a terminal; plain status lines on stderr otherwise."""
-    if is_tty(sys.stderr):
-        from dgemma_cli.cmd_store import ProgressRenderer
-
-        ProgressRenderer().run(client.pull(model, insecure))
-        return
-    last = None
-    for event in client.pull(model, insecure):
-        status = event.get("status")
-        if status and status != last and not event.get("digest"):
-            print(status, file=sys.stderr, flush=True)
-            last = status
-
-
 def ensure_model(client: Client, model: str, insecure: bool = False, pull: bool = True) -> dict[str, Any]:
     """`/api/show`, pulling the model first on a 404 (Ollama's run), then the architecture check."""
     from dgemma_cli.client import ApiError
@@ -258,7 +243,9 @@ def ensure_model(client: Client, model: str, insecure: bool = False, pull: bool 
     except ApiError as exc:
         if exc.status != 404 or not pull:
             raise
-        pull_with_progress(client, model, insecure)
+        from dgemma_cli.cmd_store import ProgressRenderer
+
+        ProgressRenderer().run(client.pull(model, insecure))  # as `dgemma pull`
         show = client.show(model)
     architecture = (show.get("model_info") or {}).get("general.architecture") or (show.get("details") or {}).get("family")
     if architecture and architecture != ARCHITECTURE:
