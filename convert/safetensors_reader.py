@@ -86,7 +86,7 @@ class SafetensorsFile:
         """Copy `nbytes` at `offset`, then drop those pages from this process (they stay in the page cache)."""
         m = self._mapped()
         data = m[offset:offset + nbytes]
-        if nbytes > 0:
+        if nbytes > 0 and hasattr(mmap, "MADV_DONTNEED"):
             start = offset - offset % _PAGE
             m.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
         return data

@@ -48,7 +48,7 @@ class StreamingGGUFWriter:
     def begin_data(self) -> None:
         """Write header, key/values and tensor infos; afterwards only tensor data may follow."""
         try:  # exclusive creation, never through a symlink; the mode follows the umask like any new file
-            os.close(os.open(self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
+            os.close(os.open(self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666))
         except OSError as exc:
             raise ConvertError(f"cannot write to {self.tmp_path.parent}: {exc}") from None
         self._gguf.open_output_file(self.tmp_path)
