@@ -1,7 +1,10 @@
-"""`dgemma pull|create|list|ls|show|rm|cp`: thin commands over the store library (spec ollama-compat.md §1.1, §1.4).
+"""`dgemma pull|create|list|ls|show|rm|cp`: Ollama's store commands as clients of the REST API (spec ollama-compat.md
+§1.1, §1.4).
 
-For now they work directly on the store under DGEMMA_MODELS; the bodies stay thin so they can be routed through the
-server's REST API later without changing their output.
+Like `run`, `ps` and `stop`, every command talks to the server at DGEMMA_HOST through `client.connect()`, which serves
+the same app in-process for the command's duration when nothing answers there: one code path, no daemon left behind.
+This module renders the answers (tables, `show` blocks, progress bars); `store_client.py` holds the calls that
+`client.Client` lacks and the local half of `create` (FROM resolution, checkpoint conversion, blob upload).
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -19,10 +23,7 @@ from rich.live import Live
 from rich.text import Text
 
 from dgemma_cli.errors import DgemmaError
-from dgemma_cli.gguf_check import ArraySummary, GGUFInfo, read_gguf_info
-from dgemma_cli.modelfile import Modelfile, format_modelfile
 from dgemma_cli.names import ModelName
-from dgemma_cli.store import LocalModel, Store
 
 # Sampler defaults when a GGUF lacks the optional diffusion.eb_* keys (spec §3.2).
 SAMPLER_FALLBACKS = {"eb_max_steps": 48, "eb_t_max": 0.8, "eb_t_min": 0.4, "eb_entropy_bound": 0.1,
@@ -97,14 +98,6 @@ def go_value(value: Any) -> str:
     if isinstance(value, str):
         return json.dumps(value, ensure_ascii=False)
     return str(value)
-
-
-def parameters_text(params: dict[str, Any]) -> str:
-    lines = []
-    for key in sorted(params):
-        values = params[key] if isinstance(params[key], list) else [params[key]]
-        lines += [f"{key:<30} {go_value(v)}" for v in values]
-    return "\n".join(lines)
 
 
 # ---- progress ----------------------------------------------------------------------------------------------------
@@ -212,76 +205,36 @@ class ProgressRenderer:
                 self.update(event)
 
 
-# ---- commands ----------------------------------------------------------------------------------------------------
+# ---- `show` from an /api/show answer ------------------------------------------------------------------------------
 
-def _store() -> Store:
-    return Store()
-
-
-def pull(
-    model: str = typer.Argument(..., help="model name, e.g. hf.co/unsloth/diffusiongemma-26B-A4B-it-GGUF:Q4_K_M"),
-    insecure: bool = typer.Option(False, "--insecure", help="allow plain http to a loopback or http:// registry"),
-) -> None:
-    """Pull a model from a registry (Ollama protocol; Hugging Face hf.co names work too)."""
-    from dgemma_cli.registry import pull as pull_model
-
-    ProgressRenderer().run(pull_model(ModelName.parse(model), _store(), insecure=insecure))
+PARAMETER_KEY_COLUMNS = 30  # `/api/show` pads each `parameters` key to 30 columns (Ollama adds one space after it)
 
 
-def create(
-    model: str = typer.Argument(..., help="name of the new model"),
-    file: Optional[Path] = typer.Option(None, "--file", "-f", help="Modelfile (default: ./Modelfile)"),
-    quantize: Optional[str] = typer.Option(None, "--quantize", "-q", help="q4_K_M | q5_K_M | q6_K | q8_0"),
-) -> None:
-    """Create a model from a Modelfile."""
-    from dgemma_cli.create import create_model, load_modelfile_for_create
+def parameter_rows(text: str | None) -> list[tuple[str, str]]:
+    """`/api/show` `parameters` text as (key, value text) rows, in the server's order (keys sorted, lists repeated)."""
+    rows = []
+    for line in (text or "").splitlines():
+        key, _, value = line.partition(" ")
+        if len(key) > PARAMETER_KEY_COLUMNS:  # a key of exactly 30 characters with no separator after it
+            key, value = line[:PARAMETER_KEY_COLUMNS], line[PARAMETER_KEY_COLUMNS:]
+        if key:
+            rows.append((key, value.strip()))
+    return rows
 
+
+def _typed(value_text: str) -> Any:
+    """A Go `%#v` value back as a Python value: numbers and booleans bare, strings double-quoted."""
     try:
-        name = ModelName.parse(model)
-    except DgemmaError:
-        raise DgemmaError(f"invalid model name: {model}") from None
-    modelfile, base_dir = load_modelfile_for_create(file, Path.cwd())
-    for warning in modelfile.warnings:
-        print(warning, file=sys.stderr)
-    ProgressRenderer().run(create_model(name, modelfile, _store(), base_dir, quantize=quantize))
+        return json.loads(value_text)
+    except ValueError:
+        return value_text
 
 
-def list_models(prefix: Optional[str] = typer.Argument(None, help="only names starting with this (any case)")) -> None:
-    """List models in the store."""
-    rows = [["NAME", "ID", "SIZE", "MODIFIED"]]
-    now = time.time()
-    for entry in _store().list_models():
-        if prefix and not entry.name.lower().startswith(prefix.lower()):
-            continue
-        rows.append([entry.name, entry.digest[:12], human_bytes(entry.size), human_time_ago(entry.modified, now)])
-    print(table(rows))
-
-
-def model_modelfile(model: LocalModel) -> Modelfile:
-    return Modelfile(froms=[str(model.gguf_path) if model.gguf_path else model.name], template=model.template,
-                     system=model.system, licenses=list(model.license), messages=list(model.messages),
-                     parameters=dict(model.parameters))
-
-
-def show_modelfile_text(model: LocalModel) -> str:
-    header = ('# Modelfile generated by "dgemma show"\n# To build a new Modelfile based on this, replace FROM with:\n'
-              f"# FROM {model.name}\n")
-    return format_modelfile(model_modelfile(model), header=header)
-
-
-def _capabilities(info: GGUFInfo, model: LocalModel) -> list[str]:
-    caps = ["completion", "diffusion"]
-    template = info.metadata.get("tokenizer.chat_template")
-    if isinstance(template, str) and ("enable_thinking" in template or "<|think|>" in template):
-        caps.append("thinking")
-    return caps
-
-
-def sampler_defaults(metadata: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+def sampler_defaults(model_info: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """Effective sampler defaults: Modelfile PARAMETER > GGUF diffusion.eb_* > reference fallback."""
     out = {}
     for key, fallback in SAMPLER_FALLBACKS.items():
-        value = metadata.get(f"diffusion.{key}", fallback)
+        value = model_info.get(f"diffusion.{key}", fallback)
         out[key] = params.get(PARAM_FOR_KEY[key], value)
     return out
 
@@ -302,46 +255,110 @@ def _text_rows(text: str | None) -> list[tuple[str, str]]:
 
 def _meta_value(value: Any) -> str:
     """One metadata value for `show -v`: scalars in Go style, short arrays whole, long ones as a count."""
-    if isinstance(value, ArraySummary):
-        return f"[... {value.length} items]"
     if isinstance(value, list):
         return json.dumps(value, ensure_ascii=False) if len(value) <= 5 else f"[... {len(value)} items]"
     return go_value(value)
 
 
-def show_info_text(model: LocalModel, verbose: bool = False) -> str:
-    info = read_gguf_info(model.gguf_path) if model.gguf_path else GGUFInfo(0, {})
-    md = info.metadata
-    arch = info.architecture or model.config.get("model_family", "")
+def _info_text(value: Any) -> str:
+    return "" if value is None else go_value(value)
+
+
+def show_info_text(show: dict[str, Any], verbose: bool = False) -> str:
+    """The `show MODEL` blocks of spec §1.4 from an `/api/show` answer (`verbose` adds Metadata and Tensors)."""
+    info = show.get("model_info") or {}
+    details = show.get("details") or {}
+    arch = info.get("general.architecture") or details.get("family") or ""
     lines = _block("Model", [
         ("architecture", arch),
-        ("parameters", model.config.get("model_type", "")),
-        ("context length", str(md.get(f"{arch}.context_length", ""))),
-        ("embedding length", str(md.get(f"{arch}.embedding_length", ""))),
-        ("quantization", model.config.get("file_type", info.file_type)),
+        ("parameters", details.get("parameter_size") or ""),
+        ("context length", _info_text(info.get(f"{arch}.context_length"))),
+        ("embedding length", _info_text(info.get(f"{arch}.embedding_length"))),
+        ("quantization", details.get("quantization_level") or ""),
     ])
-    lines += _block("Capabilities", [(c, "") for c in _capabilities(info, model)])
-    s = sampler_defaults(md, model.parameters)
+    lines += _block("Capabilities", [(c, "") for c in show.get("capabilities") or []])
+    param_rows = parameter_rows(show.get("parameters"))
+    s = sampler_defaults(info, {key: _typed(text) for key, text in param_rows})
     lines += _block("Diffusion", [
-        ("canvas length", str(md.get("diffusion.canvas_length", ""))),
+        ("canvas length", _info_text(info.get("diffusion.canvas_length"))),
         ("max denoising steps", go_value(s["eb_max_steps"])),
         ("temperature schedule", f"{go_value(s['eb_t_max'])} → {go_value(s['eb_t_min'])}"),
         ("entropy bound", go_value(s["eb_entropy_bound"])),
         ("confidence threshold", go_value(s["eb_confidence_threshold"])),
         ("stability threshold", go_value(s["eb_stability_threshold"])),
     ])
-    param_rows = []
-    for key in sorted(model.parameters):
-        values = model.parameters[key] if isinstance(model.parameters[key], list) else [model.parameters[key]]
-        param_rows += [(key, go_value(v)) for v in values]
     lines += _block("Parameters", param_rows)
-    lines += _block("System", _text_rows(model.system))
-    lines += _block("License", _text_rows("\n".join(model.license)))
+    lines += _block("System", _text_rows(show.get("system")))
+    lines += _block("License", _text_rows(show.get("license")))
     if verbose:
-        meta = {k: v for k, v in md.items() if k not in ("general.name", "tokenizer.chat_template")}
-        lines += _block("Metadata", [(k, _meta_value(v)) for k, v in sorted(meta.items())])
-        lines += _block("Tensors", [(t.name, f"{t.type_name}    {list(t.shape)}") for t in info.tensors])
+        lines += _block("Metadata", [(k, _meta_value(v)) for k, v in sorted(info.items())])
+        lines += _block("Tensors", [(str(t.get("name", "")), f"{t.get('type', '')}    {list(t.get('shape') or [])}")
+                                    for t in show.get("tensors") or []])
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+# ---- commands ----------------------------------------------------------------------------------------------------
+
+def _connect():
+    from dgemma_cli.client import connect  # httpx and the server app load only for commands that need them
+
+    return connect()
+
+
+def pull(
+    model: str = typer.Argument(..., help="model name, e.g. hf.co/unsloth/diffusiongemma-26B-A4B-it-GGUF:Q4_K_M"),
+    insecure: bool = typer.Option(False, "--insecure", help="allow plain http to a loopback or http:// registry"),
+) -> None:
+    """Pull a model from a registry (Ollama protocol; Hugging Face hf.co names work too)."""
+    with _connect() as client:
+        ProgressRenderer().run(client.pull(model, insecure))
+
+
+def create(
+    model: str = typer.Argument(..., help="name of the new model"),
+    file: Optional[Path] = typer.Option(None, "--file", "-f", help="Modelfile (default: ./Modelfile)"),
+    quantize: Optional[str] = typer.Option(None, "--quantize", "-q", help="q4_K_M | q5_K_M | q6_K | q8_0"),
+) -> None:
+    """Create a model from a Modelfile."""
+    from dgemma_cli.create import load_modelfile_for_create
+    from dgemma_cli.store_client import create_request
+
+    try:
+        ModelName.parse(model)
+    except DgemmaError:
+        raise DgemmaError(f"invalid model name: {model}") from None
+    modelfile, base_dir = load_modelfile_for_create(file, Path.cwd())
+    for warning in modelfile.warnings:
+        print(warning, file=sys.stderr)
+    with _connect() as client, ProgressRenderer() as progress:
+        progress.update({"status": "gathering model components"})
+        body = create_request(client, model, modelfile, base_dir, quantize, progress.update)
+        for event in client.create(body):
+            progress.update(event)
+
+
+def list_models(prefix: Optional[str] = typer.Argument(None, help="only names starting with this (any case)")) -> None:
+    """List models in the store."""
+    from dgemma_cli.store_client import list_tags
+
+    with _connect() as client:
+        models = list_tags(client)
+    rows = [["NAME", "ID", "SIZE", "MODIFIED"]]
+    now = time.time()
+    for entry in models:
+        name = str(entry.get("name") or entry.get("model") or "")
+        if prefix and not name.lower().startswith(prefix.lower()):
+            continue
+        rows.append([name, str(entry.get("digest") or "")[:12], human_bytes(int(entry.get("size") or 0)),
+                     _modified_text(entry.get("modified_at"), now)])
+    print(table(rows))
+
+
+def _modified_text(modified_at: Any, now: float) -> str:
+    try:
+        return human_time_ago(datetime.fromisoformat(str(modified_at)).timestamp(), now)
+    except ValueError:
+        return "Unknown"
 
 
 def show(
@@ -358,42 +375,38 @@ def show(
     if len(chosen) > 1:
         raise DgemmaError("only one of '--license', '--modelfile', '--parameters', '--system', or '--template' "
                           "can be specified")
-    local = _store().resolve(ModelName.parse(model))
+    with _connect() as client:
+        answer = client.show(model, verbose=verbose and not chosen)
     if not chosen:
-        sys.stdout.write(show_info_text(local, verbose))
-    elif chosen[0] == "license":
-        print("\n".join(local.license))
+        sys.stdout.write(show_info_text(answer, verbose))
     elif chosen[0] == "modelfile":
-        sys.stdout.write(show_modelfile_text(local))
-    elif chosen[0] == "parameters":
-        print(parameters_text(local.parameters))
-    elif chosen[0] == "system":
-        print(local.system or "")
-    else:
-        print(local.template or "")
+        sys.stdout.write(answer.get("modelfile") or "")
+    else:  # license, parameters, system, template: the field as the server formats it
+        print(answer.get(chosen[0]) or "")
 
 
 def rm(models: list[str] = typer.Argument(..., help="models to delete")) -> None:
     """Delete models (and the blobs no other model uses)."""
-    store = _store()
-    for model in models:
-        name = ModelName.parse(model)
-        store.delete(name)
-        print(f"deleted '{model}'")
+    from dgemma_cli.client import ApiError
+    from dgemma_cli.store_client import delete_model, unload_model
+
+    with _connect() as client:
+        for model in models:
+            try:
+                unload_model(client, model)
+            except ApiError as exc:
+                if "not found" not in str(exc).lower():
+                    print(f"Warning: unable to stop model '{model}'", file=sys.stderr)
+            delete_model(client, model)
+            print(f"deleted '{model}'")
 
 
 def cp(source: str = typer.Argument(...), destination: str = typer.Argument(...)) -> None:
     """Copy a model under a new name (blobs are shared)."""
-    store = _store()
-    try:
-        src = ModelName.parse(source)
-    except DgemmaError:
-        raise DgemmaError(f'source "{source}" is invalid') from None
-    try:
-        dst = ModelName.parse(destination)
-    except DgemmaError:
-        raise DgemmaError(f'destination "{destination}" is invalid') from None
-    store.copy(src, dst)
+    from dgemma_cli.store_client import copy_model
+
+    with _connect() as client:
+        copy_model(client, source, destination)
     print(f"copied '{source}' to '{destination}'")
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from dgemma_cli.cmd_store import show_modelfile_text
 from dgemma_cli.create import create_model, human_number
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gguf_check import read_gguf_info
@@ -115,16 +114,6 @@ def test_create_from_missing_model_pulls_it_first(store, tmp_path, monkeypatch):
         events = create(store, "mine", "FROM remote\nPARAMETER diffusion_steps 8\n", tmp_path)
     assert events[0] == {"status": "pulling manifest"}
     assert sorted(m.name for m in store.list_models()) == ["mine:latest", "remote:latest"]
-
-
-def test_show_modelfile_recreates_identical_layers(store, tmp_path):
-    write_tiny_gguf(tmp_path / "tiny.gguf")
-    create(store, "orig", 'FROM ./tiny.gguf\nSYSTEM """multi\nline"""\nPARAMETER stop a\nPARAMETER stop "b c"\n'
-                          "PARAMETER diffusion_t_max 1.1\nLICENSE L1\nLICENSE L2\nMESSAGE user q\nMESSAGE assistant r\n", tmp_path)
-    text = show_modelfile_text(store.resolve("orig"))
-    create(store, "again", text, tmp_path)
-    digests = lambda name: [layer.digest for layer in store.read_manifest(name).layers]  # noqa: E731
-    assert digests("again") == digests("orig")
 
 
 @pytest.mark.parametrize("text,message", [

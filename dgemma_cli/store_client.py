@@ -1,0 +1,145 @@
+"""Client side of the store endpoints (spec ollama-compat.md §1.1, §2.6, §4.4), on top of `client.Client`.
+
+Plain calls (`/api/tags`, `/api/copy`, `/api/delete`, unload, `/api/blobs`) and the part of `create` that Ollama's
+CLI does locally: resolve a Modelfile's FROM on this machine, convert a Hugging Face checkpoint folder to a temporary
+GGUF, upload the GGUF as a blob (HEAD first, POST only if the server lacks it) and build the `/api/create` body. The
+server never sees a local path (§8 C): it gets `files: {name: digest}` or `from: <model name>`.
+"""
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from dgemma_cli.client import CALL_TIMEOUT, Client
+from dgemma_cli.modelfile import Modelfile
+
+UPLOAD_CHUNK = 1 << 20
+Progress = Callable[[dict[str, Any]], None]  # receives Ollama-style status objects (the progress renderer's input)
+
+
+# ---- plain calls ---------------------------------------------------------------------------------------------------
+
+def list_tags(client: Client) -> list[dict[str, Any]]:
+    return client._check(client.http.get("/api/tags")).json().get("models") or []
+
+
+def copy_model(client: Client, source: str, destination: str) -> None:
+    client._check(client.http.post("/api/copy", json={"source": source, "destination": destination}))
+
+
+def delete_model(client: Client, model: str) -> None:
+    client._check(client.http.request("DELETE", "/api/delete", json={"model": model}))
+
+
+def unload_model(client: Client, model: str) -> None:
+    """Ollama's unload: an empty generate with `keep_alive: 0` (also fine when the model is not loaded)."""
+    client.generate({"model": model, "prompt": "", "keep_alive": 0})
+
+
+def blob_exists(client: Client, digest: str) -> bool:
+    response = client.http.head(f"/api/blobs/{digest}")
+    if response.status_code == 404:
+        return False
+    client._check(response)
+    return True
+
+
+def upload_blob(client: Client, digest: str, path: Path, progress: Progress) -> None:
+    """POST the file to `/api/blobs/<digest>`, reporting bytes sent as a progress bar keyed by the digest."""
+    size = path.stat().st_size
+    label = f"copying file {digest.removeprefix('sha256:')[:12]}"
+
+    def body() -> Iterator[bytes]:
+        sent = 0
+        with open(path, "rb") as f:
+            while chunk := f.read(UPLOAD_CHUNK):
+                yield chunk
+                sent += len(chunk)
+                progress({"status": label, "digest": digest, "total": size, "completed": sent})
+
+    response = client.http.post(f"/api/blobs/{digest}", content=body(), headers={"Content-Length": str(size)},
+                                timeout=CALL_TIMEOUT)
+    client._check(response)
+
+
+def ensure_blob(client: Client, path: Path, progress: Progress) -> str:
+    """The file's digest, uploaded first unless the server already has that blob."""
+    digest = _sha256_file(path)
+    if not blob_exists(client, digest):
+        upload_blob(client, digest, path, progress)
+    return digest
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(UPLOAD_CHUNK):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
+# ---- create: the local half ----------------------------------------------------------------------------------------
+
+def create_request(client: Client, model: str, modelfile: Modelfile, base_dir: Path, quantize: str | None,
+                   progress: Progress) -> dict[str, Any]:
+    """The `/api/create` body for a parsed Modelfile, after uploading whatever its FROM names on this machine.
+
+    A local GGUF (or a folder holding one) is uploaded as is and the server quantizes it if asked; a checkpoint
+    folder is converted here, straight to the requested type, so the server only ever receives GGUF blobs."""
+    # create.py owns the FROM rules (path vs name, folder scan, checkpoint detection); reuse them, do not fork them.
+    from dgemma_cli.create import CreateError, _gguf_in_folder, _is_hf_checkpoint, _local_path, _validated_gguf
+
+    if modelfile.adapter is not None:
+        raise CreateError("adapters are not supported")  # the server's answer, without uploading the adapter
+    body: dict[str, Any] = {"model": model}
+    source = modelfile.from_ or ""
+    local = _local_path(source, base_dir, None)
+    if local is None:
+        body["from"] = source  # a model name: the server resolves (or pulls) it
+        if quantize:
+            body["quantize"] = quantize
+    elif local.is_dir() and _is_hf_checkpoint(local):
+        with _converted(local, quantize, progress) as gguf:
+            body["files"] = {f"{local.name}.gguf": ensure_blob(client, gguf, progress)}
+    else:
+        gguf = _gguf_in_folder(local) if local.is_dir() else local
+        _validated_gguf(gguf)  # the server checks again; this only spares uploading a file it would refuse
+        body["files"] = {gguf.name: ensure_blob(client, gguf, progress)}
+        if quantize:
+            body["quantize"] = quantize
+    for key, value in (("template", modelfile.template), ("system", modelfile.system),
+                       ("license", modelfile.licenses), ("parameters", modelfile.parameters),
+                       ("messages", modelfile.messages), ("requires", modelfile.requires)):
+        if value:
+            body[key] = value
+    if modelfile.system == "":  # `SYSTEM ""` is a value (it clears an inherited system message)
+        body["system"] = ""
+    return body
+
+
+@contextmanager
+def _converted(checkpoint: Path, quantize: str | None, progress: Progress) -> Iterator[Path]:
+    """Convert a checkpoint folder to a GGUF in a temporary folder (removed afterwards), with converter progress."""
+    from dgemma_convert import convert
+
+    from dgemma_cli.create import QUANTIZE_TYPES, CreateError, _converter_step
+
+    outtype = "bf16"
+    if quantize:
+        if quantize.lower() not in QUANTIZE_TYPES:
+            raise CreateError(f"unsupported quantization type {quantize} (use one of q4_K_M, q5_K_M, q6_K, q8_0, q4_0)")
+        outtype = quantize.lower()
+    with tempfile.TemporaryDirectory(prefix="dgemma-create-") as work:
+        gguf = Path(work) / f"{checkpoint.name}.gguf"
+        progress({"status": "converting model"})
+        steps = _converter_step("converting model",
+                                lambda sink: convert(checkpoint, gguf, outtype, threads=2, progress=sink),
+                                {str(gguf): gguf.name, str(checkpoint): checkpoint.name, work: "."})
+        for event in steps:
+            progress(event)
+        yield gguf
+
