@@ -90,8 +90,8 @@ dg_sampler *dg_sampler_create(int32_t canvas_len, int32_t n_vocab, const dg_samp
         set_error(err, err_len, "vocabulary size out of range");
         return NULL;
     }
-    if (params->max_steps < 1 || params->max_steps > 1000000) {
-        set_error(err, err_len, "max_steps must be between 1 and 1000000");
+    if (params->max_steps < 1 || params->max_steps > 100000) {
+        set_error(err, err_len, "max_steps must be between 1 and 100000");
         return NULL;
     }
     if (!(params->t_min >= 0.0) || !(params->t_max > params->t_min) || !isfinite(params->t_max)) {
