@@ -12,10 +12,11 @@ import json
 import sys
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import typer
 from rich.console import Console
@@ -24,6 +25,9 @@ from rich.text import Text
 
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.names import ModelName
+
+if TYPE_CHECKING:
+    from dgemma_cli.client import Client
 
 # Sampler defaults when a GGUF lacks the optional diffusion.eb_* keys (spec §3.2).
 SAMPLER_FALLBACKS = {"eb_max_steps": 48, "eb_t_max": 0.8, "eb_t_min": 0.4, "eb_entropy_bound": 0.1,
@@ -299,10 +303,18 @@ def show_info_text(show: dict[str, Any], verbose: bool = False) -> str:
 
 # ---- commands ----------------------------------------------------------------------------------------------------
 
-def _connect():
-    from dgemma_cli.client import connect  # httpx and the server app load only for commands that need them
+@contextmanager
+def _connect() -> Iterator[Client]:
+    """`client.connect()`, with transport failures (server gone mid-command) as one `Error:` line."""
+    import httpx  # httpx and the server app load only for the commands that need them
 
-    return connect()
+    from dgemma_cli.client import connect
+
+    try:
+        with connect() as client:
+            yield client
+    except httpx.HTTPError as exc:
+        raise DgemmaError(f"lost the connection to the dgemma server ({exc or type(exc).__name__})") from None
 
 
 def pull(

@@ -133,3 +133,29 @@ def test_create_errors_are_one_line_and_leave_no_model(tmp_path, setup, args, me
     blobs = tmp_path / "store" / "blobs"
     uploaded = sorted(p.name for p in blobs.iterdir()) if blobs.exists() else []
     assert len(uploaded) == (1 if setup == "quantized" else 0)  # only a file the server had to see was sent
+
+
+def test_a_server_that_drops_the_connection_is_a_one_line_error(tmp_path):
+    """`HEAD /` answers, then every request is dropped unanswered: no traceback, one `Error:` line."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Flaky(BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def do_GET(self):
+            self.close_connection = True  # no status line at all
+
+        def log_message(self, *args):
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Flaky) as flaky:
+        thread = threading.Thread(target=flaky.serve_forever, daemon=True)
+        thread.start()
+        try:
+            code, out, err = in_process(cli_env(tmp_path, host=f"127.0.0.1:{flaky.server_address[1]}"), "list")
+        finally:
+            flaky.shutdown()
+    assert (code, out) == (1, "") and len(err.splitlines()) == 1, err
+    assert err.startswith("Error: lost the connection to the dgemma server (")
