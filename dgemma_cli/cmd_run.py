@@ -323,7 +323,10 @@ def run(
     interactive = not words and is_tty(sys.stdin) and is_tty(sys.stdout)
     text = None
     if not interactive:
-        text = " ".join(part for part in (read_piped_stdin().strip(), " ".join(words)) if part)
+        piped = read_piped_stdin().strip()
+        text = " ".join(part for part in (piped, " ".join(words)) if part)
+        if not is_tty(sys.stdin):  # as Ollama: input from a pipe means output for a script (no spinner, no wrapping)
+            settings.wordwrap = settings.progress = False
     from dgemma_cli.client import connect
 
     say = (lambda message: print(message, file=sys.stderr)) if verbose else None
