@@ -56,6 +56,9 @@ def serve() -> None:
         log.info("config %s", line)
     for warning in startup_warnings(config):
         log.warning(warning)
+    # Generation runs in worker threads; a shorter GIL switch interval lets the event loop answer health, tags and
+    # show requests promptly while Python code of the generation loop runs (the default 5 ms adds up under load).
+    sys.setswitchinterval(0.001)
     sock = _bind(config.host.host, config.host.port)
     app = create_app(config)
     log.info("listening on %s (dgemma API, Ollama %s compatible)", config.host.url, config.compat_version)

@@ -1,5 +1,6 @@
 """Native Ollama API (spec ollama-compat.md §2): inference, info and store endpoints."""
 import asyncio
+import functools
 import hashlib
 import logging
 import shutil
@@ -44,6 +45,17 @@ INFERENCE_ERRORS = {
     500: {"model": schemas.ErrorResponse, "description": "internal error (load failure, template failure)"},
     503: {"model": schemas.ErrorResponse, "description": "queue full"},
 }
+
+
+def admitted(handler):
+    """Inference handlers count against DGEMMA_MAX_QUEUE from arrival until they hold a slot (§7)."""
+
+    @functools.wraps(handler)
+    async def wrapper(req, request: Request):
+        with services(request).scheduler.admission():
+            return await handler(req, request)
+
+    return wrapper
 
 
 def _stream_flag(value: bool | None) -> bool:
@@ -178,9 +190,9 @@ def _ndjson(stream: WorkerStream, render, source=None) -> GuardedStreamingRespon
 
 
 @router.post("/api/generate", response_model=schemas.GenerateResponse, responses=INFERENCE_ERRORS)
+@admitted
 async def generate(req: schemas.GenerateRequest, request: Request):
     svc = services(request)
-    svc.scheduler.check_capacity()
     model = await svc.resolve_runnable(_model_text(req.model, req.name))
     if req.raw and (req.template or req.system or req.context):
         raise RequestError("raw mode does not support template, system, or context")
@@ -243,9 +255,9 @@ def _render(runner, messages: list[dict], thinking: bool | None, override: ChatT
 
 
 @router.post("/api/chat", response_model=schemas.ChatResponse, responses=INFERENCE_ERRORS)
+@admitted
 async def chat(req: schemas.ChatRequest, request: Request):
     svc = services(request)
-    svc.scheduler.check_capacity()
     model = await svc.resolve_runnable(_model_text(req.model, req.name))
     messages = [m.model_dump(exclude_none=True) for m in (req.messages or [])]
     for message in messages:

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from dgemma_cli.server import inference, schemas
 from dgemma_cli.server.errors import NotFound, RequestError
 from dgemma_cli.server.inference import Final, Text
-from dgemma_cli.server.ollama_routes import _common_checks, _Job, _render, with_model_messages
+from dgemma_cli.server.ollama_routes import _common_checks, _Job, _render, admitted, with_model_messages
 from dgemma_cli.server.services import services
 from dgemma_cli.server.streaming import (
     SSE,
@@ -101,11 +101,11 @@ def _sse(stream: WorkerStream, events) -> GuardedStreamingResponse:
 
 
 @router.post("/chat/completions", response_model=schemas.ChatCompletion, responses=ERRORS)
+@admitted
 async def chat_completions(req: schemas.ChatCompletionRequest, request: Request):
     if not req.messages:
         raise RequestError("messages must not be empty")
     svc = services(request)
-    svc.scheduler.check_capacity()
     model_probe = await svc.resolve_runnable(req.model)
     if req.tools:
         raise RequestError(f"{model_probe.full} does not support tools")
@@ -184,9 +184,9 @@ async def chat_completions(req: schemas.ChatCompletionRequest, request: Request)
 
 
 @router.post("/completions", response_model=schemas.Completion, responses=ERRORS)
+@admitted
 async def completions(req: schemas.CompletionRequest, request: Request):
     svc = services(request)
-    svc.scheduler.check_capacity()
     model_probe = await svc.resolve_runnable(req.model)
     if req.suffix:
         raise RequestError(f"{model_probe.full} does not support insert")

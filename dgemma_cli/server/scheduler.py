@@ -10,10 +10,12 @@
   released by the worker when it finishes, so a cancelled generation frees the slot at its next denoising step.
 """
 import asyncio
+import contextlib
+import contextvars
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +27,7 @@ log = logging.getLogger("dgemma.server")
 
 RunnerFactory = Callable[[Any, int], Runner]  # (LocalModel, num_ctx) -> Runner; blocking, called in a thread
 FAR_FUTURE_SECONDS = 290 * 365.25 * 86400  # what `ps` shows for "forever", as Ollama (Go's max time.Duration)
+_admitted: contextvars.ContextVar[bool] = contextvars.ContextVar("dgemma_admitted", default=False)
 
 
 def model_identity(model: Any) -> tuple:
@@ -96,16 +99,27 @@ class Scheduler:
             self._changed = asyncio.Condition()
         return self._changed
 
-    def check_capacity(self) -> None:
-        """Refuse early (before any model lookup) when the queue is already full: a burst stays cheap to answer."""
-        if self.pending >= self.config.max_queue:
-            raise ServerBusy()
-
-    async def acquire(self, name: str, model: Any, num_ctx: int, keep_alive: float | None) -> Lease:
-        """Wait (FIFO) for `model` to be resident with `num_ctx` and for one of its slots. 503 when the queue is full."""
+    @contextlib.contextmanager
+    def admission(self) -> Iterator[None]:
+        """Count an inference request as pending from its arrival (before the model lookup), so that a burst beyond
+        the queue limit is refused at once and cheaply. `acquire` inside this block does not count it again."""
         if self.pending >= self.config.max_queue:
             raise ServerBusy()
         self.pending += 1
+        token = _admitted.set(True)
+        try:
+            yield
+        finally:
+            _admitted.reset(token)
+            self.pending -= 1
+
+    async def acquire(self, name: str, model: Any, num_ctx: int, keep_alive: float | None) -> Lease:
+        """Wait (FIFO) for `model` to be resident with `num_ctx` and for one of its slots. 503 when the queue is full."""
+        counted = not _admitted.get()
+        if counted:
+            if self.pending >= self.config.max_queue:
+                raise ServerBusy()
+            self.pending += 1
         try:
             resident, loaded_here = await self._resident_for(name, model, num_ctx, keep_alive)
             try:
@@ -115,7 +129,8 @@ class Scheduler:
                 self._unref(resident)
                 raise
         finally:
-            self.pending -= 1
+            if counted:
+                self.pending -= 1
         if keep_alive is not None:  # a request's value replaces the model's residency setting
             resident.keep_alive = keep_alive
         return Lease(self, resident, resident.load_seconds if loaded_here else 0.0)
