@@ -1,4 +1,4 @@
-"""Text output of `dgemma run`: the `--verbose` timing block, thinking blocks, word wrapping, and `/show info`.
+"""Text output of `dgemma run`: the `--verbose` timing block, thinking blocks and word wrapping.
 
 Ollama's wording and layout are kept exactly (spec ollama-compat.md §1.2, §1.4) so that scripts and eyes used to
 `ollama run` read dgemma's output the same way.
@@ -150,64 +150,3 @@ class AnswerPrinter:
             self._write("\n...done thinking.\n" + (RESET if self.color else ""))
         if self.printed_any and self.last_char != "\n":
             self._write("\n")
-
-
-# ---- /api/show as text ----------------------------------------------------------------------------------------------
-
-def _block(title: str, rows: list[tuple[str, str]]) -> list[str]:
-    if not rows:
-        return []
-    width = max(len(k) for k, _ in rows)
-    return [f"  {title}"] + [f"    {k:<{width}}    {v}".rstrip() for k, v in rows] + [""]
-
-
-def _first_lines(text: str) -> list[tuple[str, str]]:
-    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-    rows = [(line, "") for line in lines[:2]]
-    if len(lines) > 2:
-        rows.append(("...", ""))
-    return rows
-
-
-def _number(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
-
-
-def show_info_text(show: dict[str, Any]) -> str:
-    """The `show MODEL` info tables (§1.4) from an `/api/show` answer."""
-    info = show.get("model_info") or {}
-    details = show.get("details") or {}
-    arch = info.get("general.architecture") or details.get("family") or ""
-    model_rows = [("architecture", arch)]
-    if details.get("parameter_size"):
-        model_rows.append(("parameters", details["parameter_size"]))
-    for label, key in (("context length", "context_length"), ("embedding length", "embedding_length")):
-        if f"{arch}.{key}" in info:
-            model_rows.append((label, _number(info[f"{arch}.{key}"])))
-    if details.get("quantization_level"):
-        model_rows.append(("quantization", details["quantization_level"]))
-    caps = [(c, "") for c in show.get("capabilities") or []]
-    diffusion = []
-    if "diffusion.canvas_length" in info:
-        diffusion.append(("canvas length", _number(info["diffusion.canvas_length"])))
-    d = {k: info.get(f"diffusion.eb_{k}") for k in ("max_steps", "t_max", "t_min", "entropy_bound",
-                                                      "confidence_threshold", "stability_threshold")}
-    if d["max_steps"] is not None:
-        diffusion.append(("max denoising steps", _number(d["max_steps"])))
-    if d["t_max"] is not None and d["t_min"] is not None:
-        diffusion.append(("temperature schedule", f"{_number(d['t_max'])} → {_number(d['t_min'])}"))
-    for label, key in (("entropy bound", "entropy_bound"), ("confidence threshold", "confidence_threshold"),
-                       ("stability threshold", "stability_threshold")):
-        if d[key] is not None:
-            diffusion.append((label, _number(d[key])))
-    params = []
-    for line in (show.get("parameters") or "").splitlines():
-        key, _, value = line.partition(" ")
-        if key:
-            params.append((key, value.strip()))
-    lines = (_block("Model", model_rows) + _block("Capabilities", caps) + _block("Diffusion", diffusion)
-             + _block("Parameters", params) + _block("System", _first_lines(show.get("system", "")))
-             + _block("License", _first_lines(show.get("license", ""))))
-    return "\n".join(lines).rstrip("\n") + "\n"

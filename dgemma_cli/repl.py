@@ -15,7 +15,6 @@ from typing import Any, TextIO
 from dgemma_cli.client import ApiError, Client
 from dgemma_cli.cmd_run import Output, RunSettings, Spinner, ensure_model, stream_answer
 from dgemma_cli.errors import DgemmaError
-from dgemma_cli.render import show_info_text
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -345,6 +344,8 @@ class Repl:
             self.say(f"error: couldn't get model: {exc}")
             return
         if what == "info":
+            from dgemma_cli.cmd_store import show_info_text  # the blocks of `dgemma show`
+
             self.say(show_info_text(show))
         elif what == "license":
             self.say(show.get("license") or "No license was specified for this model.")

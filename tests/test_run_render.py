@@ -1,12 +1,12 @@
 """Output pieces of `dgemma run`: the `--verbose` block (spec §1.2 example), streaming word wrap, the thinking block,
-`/show info` tables, and `ps` columns."""
+and `ps` columns."""
 from __future__ import annotations
 
 import io
 from datetime import datetime, timedelta, timezone
 
 from dgemma_cli.cmd_run import _processor, _until, parse_think
-from dgemma_cli.render import AnswerPrinter, WordWrapper, show_info_text, timing_block
+from dgemma_cli.render import AnswerPrinter, WordWrapper, timing_block
 
 
 def test_timing_block_matches_the_spec_example():
@@ -70,22 +70,6 @@ def test_thinking_block_then_answer_and_hidden_thinking():
     printer.content("a")
     printer.finish()
     assert colored.getvalue() == "\x1b[2mThinking...\nt\n...done thinking.\n\n\x1b[0ma\n"
-
-
-def test_show_info_tables():
-    show = {"details": {"family": "diffusion-gemma", "parameter_size": "25.8B", "quantization_level": "Q4_K_M"},
-            "model_info": {"general.architecture": "diffusion-gemma", "diffusion-gemma.context_length": 262144,
-                           "diffusion-gemma.embedding_length": 2816, "diffusion.canvas_length": 256,
-                           "diffusion.eb_max_steps": 48, "diffusion.eb_t_max": 0.8, "diffusion.eb_t_min": 0.4},
-            "capabilities": ["completion", "diffusion"], "parameters": 'stop                           "<turn|>"',
-            "system": "Be brief.\nBe kind.\nBe right."}
-    text = show_info_text(show)
-    assert "  Model\n    architecture        diffusion-gemma\n    parameters          25.8B\n" in text
-    assert "    context length      262144\n" in text and "    quantization        Q4_K_M\n" in text
-    assert "  Diffusion\n    canvas length           256\n    max denoising steps     48\n" in text
-    assert "    temperature schedule    0.8 → 0.4\n" in text
-    assert '  Parameters\n    stop    "<turn|>"\n' in text
-    assert "  System\n    Be brief.\n    Be kind.\n    ...\n" in text
 
 
 def test_ps_columns():
