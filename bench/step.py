@@ -8,6 +8,8 @@ time self-conditioned decoder steps (the steady state) and a first step (no self
 own decoder step on the same weights, context, canvas and self-conditioning input at the same thread count.
 A ggml matmul microbenchmark of the step's weight products (same shapes, same types, same threads) gives the time
 ggml's kernels alone would need; the step's achieved rate is reported as a fraction of it.
+Every figure is given as wall time and as process CPU time: on a shared, oversubscribed machine wall times are
+inflated by waiting for a core, while CPU time at --threads 1 is the load-independent comparison.
 Where the time goes: self-conditioning = SC step − first step (measured); backbone / LM head split by microbenchmark
 share; sampler = one entropy-bound sampler step on the step's logits (measured).
 """
@@ -94,19 +96,20 @@ def tensor_types(path: Path) -> dict[str, int]:
     return {t.name: int(t.tensor_type) for t in GGUFReader(str(path)).tensors}
 
 
-def microbench(products: list[Product], types: dict[str, int], threads: int) -> dict[str, float]:
-    """Seconds ggml's own matmul needs for each category's products (each distinct shape/type timed once)."""
+def microbench(products: list[Product], types: dict[str, int], threads: int) -> tuple[dict, dict]:
+    """Wall and CPU seconds ggml's own matmul needs for each category's products (each distinct shape/type once)."""
     from dgemma_engine.model import _engine
 
     lib = _engine()
     fn = lib.dg_bench_mul_mat
     fn.restype = ctypes.c_double
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+                   ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_size_t]
     err = ctypes.create_string_buffer(256)
     f32, f16 = 0, 1
-    cache: dict[tuple, float] = {}
+    cache: dict[tuple, tuple[float, float]] = {}
     seconds: dict[str, float] = {}
+    cpu_seconds: dict[str, float] = {}
     for p in products:
         if p.tensor == "token_embd_t":  # the engine's transposed copy: F32 for F32 files, else F16
             t = f32 if types["token_embd.weight"] == f32 else f16
@@ -114,11 +117,14 @@ def microbench(products: list[Product], types: dict[str, int], threads: int) -> 
             t = types[p.tensor]
         key = (t, p.k, p.m, p.n, p.n_expert, p.n_used)
         if key not in cache:
-            cache[key] = fn(t, p.k, p.m, p.n, p.n_expert, p.n_used, threads, 3, err, len(err))
-            if cache[key] < 0:
+            cpu = ctypes.c_double(0)
+            wall = fn(t, p.k, p.m, p.n, p.n_expert, p.n_used, threads, 3, ctypes.byref(cpu), err, len(err))
+            if wall < 0:
                 raise RuntimeError(err.value.decode())
-        seconds[p.category] = seconds.get(p.category, 0.0) + cache[key] * p.count
-    return seconds
+            cache[key] = (wall, cpu.value)
+        seconds[p.category] = seconds.get(p.category, 0.0) + cache[key][0] * p.count
+        cpu_seconds[p.category] = cpu_seconds.get(p.category, 0.0) + cache[key][1] * p.count
+    return seconds, cpu_seconds
 
 
 def time_engine(path: Path, ctx_ids: np.ndarray, canvas: np.ndarray, threads: int, repeats: int) -> dict:
@@ -134,18 +140,19 @@ def time_engine(path: Path, ctx_ids: np.ndarray, canvas: np.ndarray, threads: in
     t0 = time.perf_counter()
     ctx.encode(ctx_ids)
     encode_s = time.perf_counter() - t0
-    first = []
-    sc = []
+    first, sc, sc_cpu = [], [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         ctx.step(canvas)
         first.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         logits = ctx.step(canvas, sc_temperature=0.8)
         sc.append(time.perf_counter() - t0)
+        sc_cpu.append(time.process_time() - c0)
     sampler_s = time_sampler(logits, threads)
     res = dict(file_mib=m.file_size / 2**20, load_s=load_s, rss_after_load_mib=rss_load, encode_s=encode_s,
-               first_step_s=statistics.median(first), sc_step_s=statistics.median(sc), sampler_s=sampler_s,
+               first_step_s=statistics.median(first), sc_step_s=statistics.median(sc),
+               sc_step_cpu_s=statistics.median(sc_cpu), sampler_s=sampler_s,
                rss_after_steps_mib=rss_mib() - rss0, hparams=m.hparams)
     ctx.close()
     m.close()
@@ -167,7 +174,9 @@ def time_sampler(logits: np.ndarray, threads: int) -> float | None:
     return dt
 
 
-def time_transformers(model_dir: Path, ctx_ids: np.ndarray, canvas: np.ndarray, threads: int, repeats: int) -> float:
+def time_transformers(model_dir: Path, ctx_ids: np.ndarray, canvas: np.ndarray, threads: int,
+                      repeats: int) -> tuple[float, float]:
+    """Median wall and CPU seconds of transformers' self-conditioned decoder step."""
     import torch
     from transformers import DiffusionGemmaForBlockDiffusion
     from transformers.cache_utils import DynamicCache
@@ -181,14 +190,15 @@ def time_transformers(model_dir: Path, ctx_ids: np.ndarray, canvas: np.ndarray, 
         ids = torch.tensor(canvas[None].astype(np.int64))
         pos = torch.arange(len(ctx_ids), len(ctx_ids) + len(canvas))[None]
         sc = torch.randn(1, len(canvas), V, generator=torch.Generator().manual_seed(0)) * 3 / 0.8
-        times = []
+        times, cpu = [], []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             model(decoder_input_ids=ids, decoder_position_ids=pos, past_key_values=cache, self_conditioning_logits=sc)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
     del model, cache
     gc.collect()
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(cpu)
 
 
 def main() -> None:
@@ -213,8 +223,9 @@ def main() -> None:
     report: dict = {"threads": args.threads, "ctx": args.ctx, "canvas": args.canvas, "types": {}}
 
     if not args.skip_transformers:
-        report["transformers_step_s"] = time_transformers(args.model, ctx_ids, canvas, args.threads, args.repeats)
-        print(f"transformers fp32 decoder step (SC): {report['transformers_step_s']:.3f} s")
+        wall, cpu = time_transformers(args.model, ctx_ids, canvas, args.threads, args.repeats)
+        report["transformers_step_s"], report["transformers_step_cpu_s"] = wall, cpu
+        print(f"transformers fp32 decoder step (SC): {wall:.3f} s wall, {cpu:.3f} s CPU")
 
     from dgemma_convert import convert
 
@@ -226,10 +237,10 @@ def main() -> None:
         r = time_engine(path, ctx_ids, canvas, args.threads, args.repeats)
         hp = r.pop("hparams")
         products = step_products(hp, args.canvas)
-        ideal = microbench(products, tensor_types(path), args.threads)
+        ideal, ideal_cpu = microbench(products, tensor_types(path), args.threads)
         flops = {c: sum(p.flops for p in products if p.category == c) for c in ("backbone", "lm_head", "self_cond")}
         total_flops = sum(flops.values()) + attention_flops(hp, args.ctx, args.canvas)
-        ideal_s = sum(ideal.values())
+        ideal_s, ideal_cpu_s = sum(ideal.values()), sum(ideal_cpu.values())
         no_sc = r["first_step_s"]
         backbone_share = ideal["backbone"] / (ideal["backbone"] + ideal["lm_head"])
         r.update(
@@ -237,19 +248,23 @@ def main() -> None:
             achieved_gflops=total_flops / 1e9 / r["sc_step_s"],
             matmul_ideal_s=ideal_s,
             fraction_of_ggml_matmul=ideal_s / r["sc_step_s"],
-            microbench_s=ideal,
+            fraction_of_ggml_matmul_cpu=ideal_cpu_s / r["sc_step_cpu_s"],
+            microbench_s=ideal, microbench_cpu_s=ideal_cpu,
             time_split_s={"backbone": no_sc * backbone_share, "lm_head": no_sc * (1 - backbone_share),
                           "self_cond": r["sc_step_s"] - no_sc, "sampler": r["sampler_s"]},
         )
         if "transformers_step_s" in report:
             r["speedup_vs_transformers"] = report["transformers_step_s"] / r["sc_step_s"]
+            r["speedup_vs_transformers_cpu"] = report["transformers_step_cpu_s"] / r["sc_step_cpu_s"]
         report["types"][outtype] = r
         split = ", ".join(f"{k} {v:.3f}" for k, v in r["time_split_s"].items() if v is not None)
         print(f"{outtype:7s} file {r['file_mib']:.0f} MiB, RSS after load +{r['rss_after_load_mib']:.0f} MiB, "
               f"encode {r['encode_s']:.2f} s | step {r['sc_step_s']:.3f} s (first {no_sc:.3f}) "
               f"{r['achieved_gflops']:.1f} GFLOP/s = {100 * r['fraction_of_ggml_matmul']:.0f}% of ggml matmul "
-              f"(ideal {ideal_s:.3f} s)"
-              + (f", {r['speedup_vs_transformers']:.2f}x transformers" if "speedup_vs_transformers" in r else "")
+              f"(ideal {ideal_s:.3f} s); CPU {r['sc_step_cpu_s']:.3f} s = "
+              f"{100 * r['fraction_of_ggml_matmul_cpu']:.0f}% of ggml matmul"
+              + (f" | {r['speedup_vs_transformers']:.2f}x transformers (CPU time "
+                 f"{r['speedup_vs_transformers_cpu']:.2f}x)" if "speedup_vs_transformers" in r else "")
               + f" | split s: {split}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=float))

@@ -106,6 +106,7 @@ def _engine() -> ctypes.CDLL:
         "dg_context_set_self_cond": (I, [P, P, I, C, S]),
         "dg_context_logits": (P, [P]),
         "dg_context_logits_rows": (I, [P]),
+        "dg_context_soft_embedding": (I, [P, P, I, P, C, S]),
         # ggml's GGUF reader (resolved through the engine's dependency on libggml-base)
         "gguf_get_n_kv": (ctypes.c_int64, [P]),
         "gguf_get_key": (C, [P, ctypes.c_int64]),
@@ -312,6 +313,16 @@ class Context:
         """Read-only view of the last step's logits."""
         ptr = self.logits_address()
         return self._view(ptr, _engine().dg_context_logits_rows(self._handle))
+
+    def _soft_embedding(self, probs: np.ndarray) -> np.ndarray:
+        """probs [n, n_vocab] · token embedding through the engine's self-conditioning graph (tests only)."""
+        probs = np.ascontiguousarray(probs, dtype=np.float32)
+        out = np.empty((probs.shape[0], self.model.hparams.n_embd), np.float32)
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        if _engine().dg_context_soft_embedding(self._require(), probs.ctypes.data, probs.shape[0], out.ctypes.data,
+                                               err, _ERR_LEN) != 0:
+            raise EngineError(_error(err))
+        return out
 
     def reset(self) -> None:
         """Empty the cache (n_past = 0) and forget the previous logits."""

@@ -250,6 +250,17 @@ static void free_step_graphs(dg_context *c) {
     c->steps_n_rows = -1;
 }
 
+// P·E for probabilities p [V, n], slice by slice of the vocabulary (see make_transposed_embedding): [H, n]
+static struct ggml_tensor *soft_embedding(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *p) {
+    const int64_t V = m->hp.n_vocab, H = m->hp.n_embd, n = p->ne[1], KC = m->sc_chunk, NCH = m->sc_chunks;
+    if (KC * NCH != V) p = ggml_pad(ctx, p, (int)(KC * NCH - V), 0, 0, 0);  // zero probabilities for padding rows
+    p = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_3d(ctx, p, KC, NCH, n), 0, 2, 1, 3));  // [KC, n, NCH]
+    struct ggml_tensor *parts = ggml_mul_mat(ctx, m->embd_t, p);                             // [H, n, NCH]
+    if (NCH == 1) return ggml_reshape_2d(ctx, parts, H, n);
+    parts = ggml_cont(ctx, ggml_permute(ctx, parts, 1, 2, 0, 3));                            // [NCH, H, n]
+    return ggml_reshape_2d(ctx, ggml_sum_rows(ctx, parts), H, n);
+}
+
 static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, int out, int n) {
     const dg_model *m = c->model;
     const int64_t V = m->hp.n_vocab;
@@ -269,8 +280,8 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
         ggml_set_input(g->inv_temp);
         struct ggml_tensor *prev = c->logits[1 - out];
         prev = ggml_view_2d(ctx, prev, V, n, prev->nb[1], 0);
-        struct ggml_tensor *p = ggml_soft_max(ctx, ggml_mul(ctx, prev, g->inv_temp));       // [V, n]
-        struct ggml_tensor *soft = ggml_scale(ctx, ggml_mul_mat(ctx, m->embd_t, p), m->embd_scale);  // [H, n]
+        struct ggml_tensor *p = ggml_soft_max(ctx, ggml_mul(ctx, prev, g->inv_temp));  // [V, n]
+        struct ggml_tensor *soft = ggml_scale(ctx, soft_embedding(ctx, m, p), m->embd_scale);  // [H, n]
         struct ggml_tensor *u = dg_build_rmsw(ctx, m, soft, m->sc_pre_norm);
         e = ggml_add(ctx, e, dg_build_gated_mlp(ctx, u, m->sc_gate, m->sc_up, m->sc_down));
     }
@@ -392,6 +403,32 @@ DG_API void dg_context_free(dg_context *c) {
 }
 
 DG_API int dg_context_n_past(const dg_context *c) { return c->n_past; }
+
+// Test hook: out [n, H] = probs [n, V] · E through the step's sliced soft-embedding graph (no embedding scale).
+DG_API int dg_context_soft_embedding(dg_context *c, const float *probs, int n, float *out, char *err, size_t err_len) {
+    const dg_model *m = c->model;
+    if (!m->hp.has_self_cond || n < 1 || n > m->hp.canvas_length) {
+        dg_set_err(err, err_len, "soft embedding needs self-conditioning weights and 1..canvas_length rows");
+        return -1;
+    }
+    struct ggml_context *gctx = new_graph_ctx(m);
+    if (!gctx) return -1;
+    struct ggml_cgraph *gf = ggml_new_graph_custom(gctx, graph_nodes(m), false);
+    struct ggml_tensor *p = ggml_new_tensor_2d(gctx, GGML_TYPE_F32, m->hp.n_vocab, n);
+    ggml_set_input(p);
+    struct ggml_tensor *soft = soft_embedding(gctx, m, p);
+    ggml_set_output(soft);
+    ggml_build_forward_expand(gf, soft);
+    bool ok = place_graph(c, gctx, gf, err, err_len);
+    if (ok) {
+        ggml_backend_tensor_set(p, probs, 0, ggml_nbytes(p));
+        ok = compute(c, gf, err, err_len);
+        if (ok) ggml_backend_tensor_get(soft, out, 0, ggml_nbytes(soft));
+    }
+    c->reserved = NULL;
+    ggml_free(gctx);
+    return ok ? 0 : -1;
+}
 
 DG_API void dg_context_reset(dg_context *c) {
     c->n_past = 0;

@@ -72,6 +72,8 @@ typedef struct dg_model {
     struct ggml_tensor *tok_embd, *embd_t, *output, *output_norm, *rope_freqs;
     struct ggml_tensor *sc_pre_norm, *sc_gate, *sc_up, *sc_down;
     dg_layer *layers;
+    int64_t sc_chunk;   // embd_t is split along the vocabulary into sc_chunks slices of sc_chunk rows (see model.c)
+    int64_t sc_chunks;
     float embd_scale;  // sqrt(H) in fp32 (the fixtures are fp32 transformers runs)
     int n_threads;
     char warnings[1024];

@@ -403,13 +403,23 @@ static bool bind_tensors(loader *ld) {
 }
 
 // Self-conditioning contracts soft probabilities [V] with the embedding, so it needs E with V as the contiguous
-// dimension: ne [V, H]. F32 files get an exact F32 copy; any other type gets F16 (half the memory of F32;
-// the probabilities are then rounded to F16 by ggml's matmul, well within quantisation noise).
+// dimension. F32 files get an exact F32 copy; any other type gets F16 (half the memory of F32; the probabilities
+// are then rounded to F16 by ggml's matmul, well within quantisation noise).
+// ggml's F32 GEMM has no blocking along the contraction and slows down ~3x at V = 32768, so the copy is split into
+// sc_chunks slices of sc_chunk vocabulary rows, ne [sc_chunk, H, sc_chunks] (zero rows pad the last slice); the
+// step multiplies slice by slice and sums. At most SC_MAX_CHUNKS slices bound the partial sums' memory.
+enum { SC_MIN_CHUNK = 2048, SC_MAX_CHUNKS = 32 };
+
 static bool make_transposed_embedding(loader *ld) {
     dg_model *m = ld->m;
     const int64_t V = m->hp.n_vocab, H = m->hp.n_embd;
     const enum ggml_type src_type = m->tok_embd->type;
     const enum ggml_type dst_type = src_type == GGML_TYPE_F32 ? GGML_TYPE_F32 : GGML_TYPE_F16;
+    int64_t target = (V + SC_MAX_CHUNKS - 1) / SC_MAX_CHUNKS;
+    if (target < SC_MIN_CHUNK) target = SC_MIN_CHUNK;
+    m->sc_chunks = (V + target - 1) / target;
+    m->sc_chunk = ((V + m->sc_chunks - 1) / m->sc_chunks + 15) / 16 * 16;  // even slices, 16-aligned for the GEMM
+    const int64_t KC = m->sc_chunk;
 
     struct ggml_init_params ip = {ggml_tensor_overhead() * 4, NULL, true};
     m->ctx_extra = ggml_init(ip);
@@ -417,7 +427,7 @@ static bool make_transposed_embedding(loader *ld) {
         dg_set_err(ld->err, ld->err_len, "out of memory");
         return false;
     }
-    m->embd_t = ggml_new_tensor_2d(m->ctx_extra, dst_type, V, H);
+    m->embd_t = ggml_new_tensor_3d(m->ctx_extra, dst_type, KC, H, m->sc_chunks);
     ggml_set_name(m->embd_t, "token_embd_t");
     m->buf_extra = ggml_backend_alloc_ctx_tensors_from_buft(m->ctx_extra, ggml_backend_cpu_buffer_type());
     if (!m->buf_extra) {
@@ -434,6 +444,7 @@ static bool make_transposed_embedding(loader *ld) {
         return false;
     }
     const char *src = m->tok_embd->data;
+    memset(m->embd_t->data, 0, ggml_nbytes(m->embd_t));  // padding rows of the last slice
     for (int64_t v0 = 0; v0 < V; v0 += BLOCK) {
         const int64_t nb = V - v0 < BLOCK ? V - v0 : BLOCK;
         for (int64_t r = 0; r < nb; r++) {
@@ -441,13 +452,15 @@ static bool make_transposed_embedding(loader *ld) {
             if (src_type == GGML_TYPE_F32) memcpy(tmp + r * H, row, sizeof(float) * (size_t)H);
             else to_float(row, tmp + r * H, H);
         }
-        for (int64_t h = 0; h < H; h++) {
+        for (int64_t r = 0; r < nb; r++) {
+            const int64_t v = v0 + r, chunk = v / KC, row = v % KC;
+            const size_t base = (size_t)chunk * (size_t)(H * KC) + (size_t)row;  // element (row, h, chunk) at base + h·KC
             if (dst_type == GGML_TYPE_F32) {
-                float *dst = (float *)m->embd_t->data + h * V + v0;
-                for (int64_t r = 0; r < nb; r++) dst[r] = tmp[r * H + h];
+                float *dst = (float *)m->embd_t->data + base;
+                for (int64_t h = 0; h < H; h++) dst[h * KC] = tmp[r * H + h];
             } else {
-                ggml_fp16_t *dst = (ggml_fp16_t *)m->embd_t->data + h * V + v0;
-                for (int64_t r = 0; r < nb; r++) dst[r] = ggml_fp32_to_fp16(tmp[r * H + h]);
+                ggml_fp16_t *dst = (ggml_fp16_t *)m->embd_t->data + base;
+                for (int64_t h = 0; h < H; h++) dst[h * KC] = ggml_fp32_to_fp16(tmp[r * H + h]);
             }
         }
     }
