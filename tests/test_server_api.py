@@ -478,3 +478,13 @@ def test_other_model_waits_for_the_busy_one_then_evicts_it(make_server):
     first.join()
     assert results["tiny"][0] == 200 and ndjson_text(results["tiny"][1])[-1]["done"]
     assert behaviour.loads == 2 and behaviour.closes == 1
+
+
+def test_bad_options_are_refused_before_any_model_load(make_server):
+    server, behaviour, _ = make_server()
+    with client(server) as c:
+        for options in [{"diffusion_steps": 0}, {"diffusion_t_min": 0.9, "diffusion_t_max": 0.5},
+                        {"diffusion_entropy_bound": -1}, {"num_ctx": 0}]:
+            r = c.post("/api/generate", json={"model": "tiny", "prompt": "x", "options": options})
+            assert r.status_code == 400, options
+    assert behaviour.loads == 0

@@ -17,7 +17,7 @@ from dgemma_cli.server import gotemplate, inference, schemas
 from dgemma_cli.server.durations import parse_keep_alive
 from dgemma_cli.server.errors import NotFound, RequestError
 from dgemma_cli.server.inference import Final, Progress, Text
-from dgemma_cli.server.options import check_options, resolve_sampler
+from dgemma_cli.server.options import check_options, precheck_sampler, resolve_sampler
 from dgemma_cli.server.runner import ChatTemplate, render_prompt
 from dgemma_cli.server.services import Services, ResolvedModel, services
 from dgemma_cli.server.streaming import (
@@ -150,9 +150,10 @@ class _Job:
         self.options = options
         self.keep_alive = keep_alive
         self.num_ctx = svc.num_ctx(model, options)
+        precheck_sampler(options, svc.config.max_steps)  # a bad option is a 400 before any model load
         self.started = time.perf_counter()
 
-    async def start(self, request: Request, build_prompt, think) -> tuple[WorkerStream, bool]:
+    async def start(self, request: Request, build_prompt, think) -> WorkerStream:
         """Queue for the model, render the prompt, plan the canvases: every 4xx happens before the first byte."""
         lease = await until_disconnected(
             request, self.svc.scheduler.acquire(self.model.display, self.model.local, self.num_ctx, self.keep_alive)
@@ -171,7 +172,7 @@ class _Job:
         def produce(cancel: threading.Event):
             return inference.run_generation(runner, plan, sampler, cancel, bool(thinking), self.started, load_s)
 
-        return WorkerStream(produce, lambda failed: lease.release(failed)), sampler.progress
+        return WorkerStream(produce, lambda failed: lease.release(failed))
 
 
 def _ndjson(stream: WorkerStream, render, source=None) -> GuardedStreamingResponse:
@@ -225,7 +226,7 @@ async def generate(req: schemas.GenerateRequest, request: Request):
         return context + runner.tokenize(text)
 
     job = _Job(svc, model, options, keep_alive)
-    stream, _progress = await job.start(request, build_prompt, req.think)
+    stream = await job.start(request, build_prompt, req.think)
     return await _answer(request, stream, model, req.stream, chat=False, with_context=not req.raw)
 
 
@@ -284,7 +285,7 @@ async def chat(req: schemas.ChatRequest, request: Request):
         return inference.chat_prompt(runner, conversation, thinking, truncate)
 
     job = _Job(svc, model, options, keep_alive)
-    stream, _progress = await job.start(request, build_prompt, req.think)
+    stream = await job.start(request, build_prompt, req.think)
     return await _answer(request, stream, model, req.stream, chat=True, with_context=False)
 
 

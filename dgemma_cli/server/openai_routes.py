@@ -82,7 +82,7 @@ async def _prepare(request: Request, req: Any, build_prompt, max_tokens: int | N
     model = await svc.resolve_runnable(req.model)
     options = svc.merged_options(model, _options(req, max_tokens))
     job = _Job(svc, model, options, None)
-    stream, _ = await job.start(request, build_prompt, think)
+    stream = await job.start(request, build_prompt, think)
     return model, stream
 
 

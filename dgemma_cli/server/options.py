@@ -111,6 +111,16 @@ def _check_range(name: str, value: float, low: float | None, high: float | None,
         raise RequestError(f"invalid value for {name}: {shown} ({text})")
 
 
+def precheck_sampler(options: dict[str, Any], max_steps_cap: int) -> None:
+    """The range checks that do not depend on the model's defaults, run before a model is loaded for the request
+    (a bad option must not cost a model load). `resolve_sampler` repeats them with the defaults filled in."""
+    explicit = {name: options[name] for name in DIFFUSION_DEFAULTS if name in options}
+    if "diffusion_t_max" not in explicit or "diffusion_t_min" not in explicit:
+        explicit.setdefault("diffusion_t_max", math.inf)  # the relation needs both values
+    reference = {key: fallback for key, fallback in DIFFUSION_DEFAULTS.values()}
+    resolve_sampler({**explicit, "temperature": options.get("temperature")}, reference, max_steps_cap)
+
+
 def resolve_sampler(options: dict[str, Any], metadata: dict, max_steps_cap: int) -> SamplerSettings:
     """Merge validated `options` over the model's diffusion defaults and check the ranges of §3.2."""
     value = {name: options.get(name, _metadata_default(metadata, name)) for name in DIFFUSION_DEFAULTS}
