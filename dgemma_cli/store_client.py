@@ -8,6 +8,7 @@ server never sees a local path (§8 C): it gets `files: {name: digest}` or `from
 from __future__ import annotations
 
 import hashlib
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -68,10 +69,19 @@ def upload_blob(client: Client, digest: str, path: Path, progress: Progress) -> 
 
 def ensure_blob(client: Client, path: Path, progress: Progress) -> str:
     """The file's digest, uploaded first unless the server already has that blob."""
+    named = _blob_name_digest(path)
+    if named is not None and blob_exists(client, named):
+        return named  # the server has this blob already; hashing many GB again would tell us nothing new
     digest = _sha256_file(path)
     if not blob_exists(client, digest):
         upload_blob(client, digest, path, progress)
     return digest
+
+
+def _blob_name_digest(path: Path) -> str | None:
+    """`sha256:<hex>` for a file in a store's `blobs/` folder (what `show --modelfile` prints as FROM), else None."""
+    match = re.fullmatch(r"sha256-([0-9a-f]{64})", path.name)
+    return f"sha256:{match.group(1)}" if match and path.parent.name == "blobs" else None
 
 
 def _sha256_file(path: Path) -> str:

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from cli_helpers import cli_env, in_process
+from dgemma_cli import store_client
 from server_harness import FakeBehaviour, InProcessServer, add_model, fake_factory, write_small_gguf
 from store_helpers import write_tiny_gguf
 
@@ -103,7 +104,9 @@ def test_show_modelfile_output_recreates_identical_layers(tmp_path):
     assert in_process(env, "create", "orig", "-f", str(tmp_path / "Modelfile"))[0] == 0
     code, text, _ = in_process(env, "show", "orig", "--modelfile")
     (tmp_path / "Shown").write_text(text)
-    code, _, err = in_process(env, "create", "again", "-f", str(tmp_path / "Shown"))
+    with pytest.MonkeyPatch.context() as patch:  # FROM is the server's blob path: its name is its digest, no rehash
+        patch.setattr(store_client, "_sha256_file", lambda path: pytest.fail(f"hashed {path}"))
+        code, _, err = in_process(env, "create", "again", "-f", str(tmp_path / "Shown"))
     assert code == 0, err
     store = Store(tmp_path / "store")
     assert layer_digests(store, "again") == layer_digests(store, "orig")
