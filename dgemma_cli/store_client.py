@@ -121,13 +121,16 @@ def create_request(client: Client, model: str, modelfile: Modelfile, base_dir: P
         body["files"] = {gguf.name: ensure_blob(client, gguf, progress)}
         if quantize:
             body["quantize"] = quantize
-    for key, value in (("template", modelfile.template), ("system", modelfile.system),
-                       ("license", modelfile.licenses), ("parameters", modelfile.parameters),
-                       ("messages", modelfile.messages), ("requires", modelfile.requires)):
-        if value:
-            body[key] = value
-    if modelfile.system == "":  # `SYSTEM ""` is a value (it clears an inherited system message)
-        body["system"] = ""
+    for key, text in (("template", modelfile.template), ("system", modelfile.system), ("requires", modelfile.requires)):
+        if text is not None:  # `SYSTEM ""` is a value too (it clears an inherited system message)
+            body[key] = text
+    for key, items in (("license", modelfile.licenses), ("parameters", modelfile.parameters),
+                       ("messages", modelfile.messages)):
+        if items:
+            body[key] = items
+    for key in ("renderer", "parser"):  # Ollama's request fields for these lines; a server may ignore them
+        if key in modelfile.extras:
+            body[key] = modelfile.extras[key]
     return body
 
 

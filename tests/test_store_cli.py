@@ -172,3 +172,15 @@ def test_parameter_rows_read_the_servers_text():
     text = format_parameters({"diffusion_confidence_threshold": 0.01, "stop": ["a b", "<end>"], "seed": 7})
     assert parameter_rows(text) == [("diffusion_confidence_threshold", "0.01"), ("seed", "7"), ("stop", '"a b"'),
                                     ("stop", '"<end>"')]
+
+
+def test_create_request_for_a_model_name_sends_no_files(tmp_path):
+    """FROM a model name: nothing is uploaded; the Modelfile's values travel as typed /api/create fields."""
+    from dgemma_cli.modelfile import parse_modelfile
+
+    modelfile = parse_modelfile('FROM base:v2\nSYSTEM ""\nPARAMETER stop a\nPARAMETER seed 3\nRENDERER r1\n'
+                                "MESSAGE user hi\nLICENSE L\n")
+    body = store_client.create_request(None, "m", modelfile, tmp_path, "q8_0", progress=[].append)
+    assert body == {"model": "m", "from": "base:v2", "quantize": "q8_0", "system": "", "license": ["L"],
+                    "parameters": {"stop": ["a"], "seed": 3}, "messages": [{"role": "user", "content": "hi"}],
+                    "renderer": "r1"}
