@@ -488,3 +488,21 @@ def test_bad_options_are_refused_before_any_model_load(make_server):
             r = c.post("/api/generate", json={"model": "tiny", "prompt": "x", "options": options})
             assert r.status_code == 400, options
     assert behaviour.loads == 0
+
+
+def test_a_running_non_streaming_request_is_not_pending(make_server):
+    """Queue limit 1: one non-streaming request running, one waiting, the third is refused (the running one no
+    longer counts once it holds the slot)."""
+    server, behaviour, _ = make_server(env={"DGEMMA_MAX_QUEUE": "1"},
+                                       behaviour=FakeBehaviour(answer="n" * 8, steps=6, step_delay=0.1))
+    results: dict = {}
+    body = {"model": "tiny", "prompt": "x", "stream": False}
+    threads = [_stream_in_thread(server.url + "/api/generate", body, results, 0)]
+    assert _eventually(lambda: behaviour.generations == 1)
+    threads.append(_stream_in_thread(server.url + "/api/generate", body, results, 1))
+    time.sleep(0.2)
+    with client(server) as c:
+        assert c.post("/api/generate", json=body).status_code == 503
+    for thread in threads:
+        thread.join()
+    assert results[0][0] == 200 and results[1][0] == 200

@@ -27,7 +27,7 @@ log = logging.getLogger("dgemma.server")
 
 RunnerFactory = Callable[[Any, int], Runner]  # (LocalModel, num_ctx) -> Runner; blocking, called in a thread
 FAR_FUTURE_SECONDS = 290 * 365.25 * 86400  # what `ps` shows for "forever", as Ollama (Go's max time.Duration)
-_admitted: contextvars.ContextVar[bool] = contextvars.ContextVar("dgemma_admitted", default=False)
+_ticket: contextvars.ContextVar["_Ticket | None"] = contextvars.ContextVar("dgemma_pending_ticket", default=None)
 
 
 def model_identity(model: Any) -> tuple:
@@ -84,6 +84,20 @@ class Lease:
         self.scheduler._unref(self.resident)
 
 
+class _Ticket:
+    """One pending request (counted against DGEMMA_MAX_QUEUE until released)."""
+
+    def __init__(self, scheduler: "Scheduler"):
+        self.scheduler = scheduler
+        self.released = False
+        scheduler.pending += 1
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.scheduler.pending -= 1
+
+
 class Scheduler:
     def __init__(self, config: ServerConfig, runner_factory: RunnerFactory):
         self.config = config
@@ -102,24 +116,25 @@ class Scheduler:
     @contextlib.contextmanager
     def admission(self) -> Iterator[None]:
         """Count an inference request as pending from its arrival (before the model lookup), so that a burst beyond
-        the queue limit is refused at once and cheaply. `acquire` inside this block does not count it again."""
+        the queue limit is refused at once and cheaply. `acquire` inside this block ends the count when it gets a
+        slot (a running request is no longer pending), or the block's end does."""
         if self.pending >= self.config.max_queue:
             raise ServerBusy()
-        self.pending += 1
-        token = _admitted.set(True)
+        ticket = _Ticket(self)
+        token = _ticket.set(ticket)
         try:
             yield
         finally:
-            _admitted.reset(token)
-            self.pending -= 1
+            _ticket.reset(token)
+            ticket.release()
 
     async def acquire(self, name: str, model: Any, num_ctx: int, keep_alive: float | None) -> Lease:
         """Wait (FIFO) for `model` to be resident with `num_ctx` and for one of its slots. 503 when the queue is full."""
-        counted = not _admitted.get()
-        if counted:
+        ticket = _ticket.get()
+        if ticket is None or ticket.released:
             if self.pending >= self.config.max_queue:
                 raise ServerBusy()
-            self.pending += 1
+            ticket = _Ticket(self)
         try:
             resident, loaded_here = await self._resident_for(name, model, num_ctx, keep_alive)
             try:
@@ -129,8 +144,7 @@ class Scheduler:
                 self._unref(resident)
                 raise
         finally:
-            if counted:
-                self.pending -= 1
+            ticket.release()
         if keep_alive is not None:  # a request's value replaces the model's residency setting
             resident.keep_alive = keep_alive
         return Lease(self, resident, resident.load_seconds if loaded_here else 0.0)
