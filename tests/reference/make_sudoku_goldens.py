@@ -24,7 +24,7 @@ import reference  # noqa: E402
 CHECKPOINT = REPO / "recipes" / "sudoku" / "checkpoint"
 OUT = REPO / "tests" / "goldens" / "sudoku.json"
 PUZZLE_SEED = 30_000
-PER_LEVEL = 6
+PER_LEVEL = 4
 
 
 def main() -> None:
