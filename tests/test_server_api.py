@@ -506,3 +506,16 @@ def test_a_running_non_streaming_request_is_not_pending(make_server):
     for thread in threads:
         thread.join()
     assert results[0][0] == 200 and results[1][0] == 200
+
+
+def test_num_parallel_runs_generations_side_by_side(make_server):
+    server, behaviour, _ = make_server(env={"DGEMMA_NUM_PARALLEL": "2"},
+                                       behaviour=FakeBehaviour(answer="p" * 8, steps=5, step_delay=0.08))
+    results: dict = {}
+    threads = [_stream_in_thread(server.url + "/api/generate", {"model": "tiny", "prompt": "x"}, results, i)
+               for i in range(3)]
+    assert _eventually(lambda: behaviour.generations == 2)
+    assert behaviour.finished_at == [] and behaviour.generations == 2  # two at once, the third waits
+    for thread in threads:
+        thread.join()
+    assert [results[i][0] for i in range(3)] == [200, 200, 200] and behaviour.loads == 1
