@@ -29,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "recipes" / "sudoku"))
-import puzzles  # noqa: E402
+import puzzles
 
 BENCH_SEED = 20_000
 RETRY_SEED_STRIDE = 1_000_003  # try k of puzzle i uses seed i + k * stride (never another puzzle's seed)
@@ -76,8 +76,9 @@ class Dgemma:
 
     def run(self, cases: list[tuple[str, str]], adaptive: bool = True, seed_offset: int = 0,
             only: list[int] | None = None) -> Run:
-        from dgemma_cli.sudoku import solve_with_engine
         from dgemma_engine.generate import SamplerParams
+
+        from dgemma_cli.sudoku import solve_with_engine
 
         run = Run([], [], [])
         for i in (only if only is not None else range(len(cases))):
@@ -163,8 +164,8 @@ def main() -> None:
 
 
 def print_table(results: dict) -> None:
-    print("\n| level | solved (adaptive) | mean steps | s/puzzle | solved (fixed 48) | s/puzzle (48) | solved (retries) "
-          "| transformers solved | mean steps (tf) | agreement |")
+    print("\n| level | solved (adaptive) | mean steps | s/puzzle | solved (fixed 48) | s/puzzle (48) "
+          "| solved (retries) | transformers solved | mean steps (tf) | agreement |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for level, row in results["levels"].items():
         a, f = row["adaptive"], row.get("fixed48") or {}

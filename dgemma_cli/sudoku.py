@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group
 from rich.table import Table
@@ -98,7 +99,7 @@ def grid_table(puzzle: str, grid: str, title: str | None = None, changed: Sequen
                 line.append("| ", style="dim")
             i = r * 9 + c
             if puzzle[i] != "0":
-                style = "bold"
+                style = "bold" if grid[i] == puzzle[i] else "bold red"  # a clue the model failed to keep shows red
             elif changed is not None and changed[i]:
                 style = "dim cyan"
             else:
@@ -133,7 +134,8 @@ def solve_with_engine(model: Any, tokenizer: Any, puzzle: str, params: Any, ctx:
     try:
         ctx.reset()
         start = time.perf_counter()
-        for event in generate(ctx, prompt, params, max_new_tokens=CANVAS, eos_ids=eos_ids_from_metadata(model.metadata)):
+        eos_ids = eos_ids_from_metadata(model.metadata)
+        for event in generate(ctx, prompt, params, max_new_tokens=CANVAS, eos_ids=eos_ids):
             if isinstance(event, CanvasEvent):
                 committed = event
         seconds = time.perf_counter() - start
@@ -152,7 +154,7 @@ def _digit_of(tokenizer: Any, token_id: int) -> str:
     return text if len(text) == 1 and text in "123456789" else "?"
 
 
-# ---- `dgemma run sudoku PUZZLE` ---------------------------------------------------------------------------------------
+# ---- `dgemma run sudoku PUZZLE` -------------------------------------------------------------------------------------
 
 def is_sudoku_model(show: dict[str, Any]) -> bool:
     """`/api/show` omits `general.name` (as Ollama does), so the task is recognised by what defines it: a chat
@@ -161,7 +163,7 @@ def is_sudoku_model(show: dict[str, Any]) -> bool:
     return canvas == CANVAS and CELL_TOKEN_MARK in str(show.get("template") or "")
 
 
-def run_sudoku(context: "TaskContext") -> bool:
+def run_sudoku(context: TaskContext) -> bool:
     """The task renderer: handles the run when the model is the Sudoku model, else returns False."""
     if not is_sudoku_model(context.show):
         return False
@@ -182,7 +184,7 @@ def run_sudoku(context: "TaskContext") -> bool:
         for attempt in range(MAX_TRIES):
             tries += 1
             seed = None if user_seed is None else int(user_seed) + attempt
-            grid, used = _one_try(context, puzzle, seed, view, spinner)
+            grid, used = _one_try(context, puzzle, seed, attempt, view, spinner)
             steps += used
             if is_solution(puzzle, grid):
                 break
@@ -203,7 +205,7 @@ def run_sudoku(context: "TaskContext") -> bool:
     return True
 
 
-def _one_try(context: "TaskContext", puzzle: str, seed: int | None, view: "LiveGrid | None",
+def _one_try(context: TaskContext, puzzle: str, seed: int | None, attempt: int, view: LiveGrid | None,
              spinner: Any) -> tuple[str, int]:
     """One generation over the REST API; returns (answer grid, denoising steps)."""
     from dgemma_cli.cmd_run import chunk_text, is_progress
@@ -228,7 +230,10 @@ def _one_try(context: "TaskContext", puzzle: str, seed: int | None, view: "LiveG
                 steps = int(chunk.get("completed") or steps)
                 spinner.set(f"solving · step {chunk.get('completed')}/{chunk.get('total')}")
                 if view is not None and chunk.get("preview") is not None:
-                    view.update(answer_grid(str(chunk["preview"])), chunk.get("completed"), chunk.get("total"))
+                    counter = f"step {chunk.get('completed')}/{chunk.get('total')}"
+                    if attempt:
+                        counter += f" · try {attempt + 1}"
+                    view.update(answer_grid(str(chunk["preview"])), counter)
             else:
                 text += chunk_text(chunk)[0]
     finally:
@@ -246,17 +251,16 @@ class LiveGrid:
 
         self.puzzle = puzzle
         self.previous = "?" * CANVAS
-        self.live = Live(self._frame(self.previous, None, None), console=console, refresh_per_second=20,
+        self.live = Live(self._frame(self.previous, "starting"), console=console, refresh_per_second=20,
                          transient=True)
         self.live.start()
 
-    def _frame(self, grid: str, step: Any, total: Any) -> Group:
+    def _frame(self, grid: str, counter: str) -> Group:
         changed = [a != b for a, b in zip(grid, self.previous)]
-        counter = Text(f"step {step}/{total}" if step is not None else "starting", style="cyan")
-        return Group(grid_table(self.puzzle, grid, changed=changed), counter)
+        return Group(grid_table(self.puzzle, grid, changed=changed), Text(counter, style="cyan"))
 
-    def update(self, grid: str, step: Any, total: Any) -> None:
-        self.live.update(self._frame(grid, step, total))
+    def update(self, grid: str, counter: str) -> None:
+        self.live.update(self._frame(grid, counter))
         self.previous = grid
 
     def stop(self) -> None:

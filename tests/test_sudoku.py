@@ -23,8 +23,8 @@ GGUF = REPO / "modelfiles" / "sudoku.gguf"
 MODELFILE = REPO / "modelfiles" / "sudoku.Modelfile"
 CHECKPOINT = RECIPE / "checkpoint"
 sys.path.insert(0, str(RECIPE))
-import puzzles  # noqa: E402  (pure Python)
-import vocab  # noqa: E402  (pure Python)
+import puzzles
+import vocab
 
 # A known puzzle and its unique solution (checked below with the recipe's own solver).
 PUZZLE = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
@@ -92,10 +92,9 @@ def test_modelfile_template_is_the_recipes_chat_template():
 
 
 def test_prompt_text_is_what_the_template_renders_and_tokenizes_like_the_recipe():
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    from dgemma_engine.tokenizer import Tokenizer
     from dgemma_engine.model import Model
+    from dgemma_engine.tokenizer import Tokenizer
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     rendered = ImmutableSandboxedEnvironment().from_string(vocab.CHAT_TEMPLATE).render(
         messages=[{"role": "user", "content": PUZZLE}], bos_token="<bos>")

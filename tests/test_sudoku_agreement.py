@@ -62,6 +62,7 @@ def test_shipped_f16_gguf_agrees_puzzle_by_puzzle():
     """The shipped f16 file holds the checkpoint's (f16) weights exactly, but ggml's CPU f16 matrix products also round
     the activations to f16 (relative 5e-4), which can flip a near-tie in a categorical draw and send one generation
     elsewhere. Measured on the least confident checkpoint bundled so far (step 250, 48 steps of high-entropy
-    sampling per puzzle): 11 of these 12 identical, 17 of 18 on a larger sample (q8_0: 1 of 12). At most 2 may differ."""
+    sampling per puzzle): 11 of these 12 identical, 17 of 18 on a larger sample (q8_0: 1 of 12).
+    At most 2 may differ."""
     bad = differing(solve_all(GGUF))
     assert len(bad) <= 2, f"dgemma (shipped f16) differs from transformers on {bad}"

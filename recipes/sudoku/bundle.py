@@ -35,7 +35,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-import vocab  # noqa: E402
+import vocab
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

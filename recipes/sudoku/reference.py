@@ -15,8 +15,8 @@ import torch
 from transformers import DiffusionGemmaForBlockDiffusion
 
 sys.path.insert(0, str(Path(__file__).parent))
-import train  # noqa: E402
-import vocab  # noqa: E402
+import train
+import vocab
 
 
 @dataclass(frozen=True)

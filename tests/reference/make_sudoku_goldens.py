@@ -18,8 +18,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes" / "sudoku"))
-import puzzles  # noqa: E402
-import reference  # noqa: E402
+import puzzles
+import reference
 
 CHECKPOINT = REPO / "recipes" / "sudoku" / "checkpoint"
 OUT = REPO / "tests" / "goldens" / "sudoku.json"
