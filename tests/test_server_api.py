@@ -519,3 +519,18 @@ def test_num_parallel_runs_generations_side_by_side(make_server):
     for thread in threads:
         thread.join()
     assert [results[i][0] for i in range(3)] == [200, 200, 200] and behaviour.loads == 1
+
+
+def test_langchain_chatollama_request_shape(make_server):
+    """The body LangChain's ChatOllama sends by default: every Ollama option present (mostly null), empty images,
+    empty tools, format "" and keep_alive null. It must be accepted, and the final chunk carries the usage counts."""
+    server, _, _ = make_server(behaviour=FakeBehaviour(answer="Hello there."))
+    options = {name: None for name in ("mirostat", "mirostat_eta", "mirostat_tau", "num_ctx", "num_gpu", "num_thread",
+                                       "num_predict", "repeat_last_n", "repeat_penalty", "temperature", "seed", "stop",
+                                       "tfs_z", "top_k", "top_p")}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi", "images": []}], "stream": True,
+            "options": options, "tools": [], "format": "", "keep_alive": None, "think": None}
+    with client(server) as c:
+        lines = ndjson(c.post("/api/chat", json=body))
+        assert "".join(line["message"]["content"] for line in lines) == "Hello there."
+        assert lines[-1]["prompt_eval_count"] > 0 and lines[-1]["eval_count"] == len("Hello there.")
