@@ -73,7 +73,7 @@ def test_tags_show_and_modelfile(make_server):
         assert show["model_info"]["general.architecture"] == "diffusion-gemma"
         assert show["model_info"]["diffusion-gemma.context_length"] == 4096
         assert show["model_info"]["tokenizer.ggml.tokens"] == []  # > 5 elements: hidden unless verbose
-        assert show["parameters"].splitlines() == [f"{'diffusion_steps':<30}4", f"{'stop':<30}\"NEVER\""]
+        assert show["parameters"].splitlines() == [f"{'diffusion_steps':<30} 4", f"{'stop':<30} \"NEVER\""]
         assert "SYSTEM Be brief." in show["modelfile"] and show["system"] == "Be brief."
         assert "diffusion" in show["capabilities"]
         verbose = c.post("/api/show", json={"name": "tiny", "verbose": True}).json()

@@ -218,7 +218,7 @@ def format_parameters(params: dict[str, Any]) -> str:
                 shown = "true" if value else "false"
             else:
                 shown = str(value)
-            lines.append(f"{key:<30}{shown}")
+            lines.append(f"{key:<30} {shown}")  # Ollama: `%-30s %#v`
     return "\n".join(lines)
 
 
