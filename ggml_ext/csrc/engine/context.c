@@ -1,8 +1,10 @@
 // A generation context: K/V cache, encoder passes (prefill and commit), decoder steps with self-conditioning.
 //
-// Cache: one F32 K and one transposed F32 V tensor per layer, slot = absolute position. Sliding layers keep every
-// slot but only ever read the last W−1 context slots, which is exactly what transformers' DynamicCache retains.
-// The decoder writes its canvas K/V into the free slots after n_past as scratch (never committed: n_past is unchanged).
+// Cache: one F32 K and one transposed F32 V tensor per layer. Full layers: slot = position, n_ctx slots. Sliding
+// layers only ever read the last W−1 context positions (exactly what transformers' DynamicCache retains), so their
+// cache holds W−1 + alignment + one chunk of rows; when it is full, the still-visible tail moves to the front
+// (swa_base = position of slot 0). The decoder writes its canvas K/V into the free slots after n_past as scratch
+// (never committed: n_past is unchanged).
 //
 // Decoder graphs are built once per (n_past, canvas rows) in four variants [self-conditioning][output buffer]: the
 // step writes its softcapped logits into one of two persistent buffers and, with self-conditioning, reads the
@@ -17,7 +19,7 @@
 
 #include "engine.h"
 
-enum { ENCODE_CHUNK = 512 };
+enum { MIN_ENCODE_CHUNK = 32 };
 
 static size_t graph_nodes(const dg_model *m) {
     return 1024 + (size_t)m->hp.n_layer * (128 + 4 * (size_t)m->hp.n_expert_used);
@@ -120,12 +122,47 @@ static bool compute_profiled(dg_context *c, struct ggml_cgraph *gf, double *seco
 // number of keys. Sliding layers round it up with earlier (valid, cached) slots that the mask hides.
 enum { KEY_MULTIPLE = 16 };
 
-static dg_attn_span span_for(const dg_model *m, int il, int n_past, int n_new) {
+// Rows per encoder pass = the most rows a sliding cache must take after its retained tail (a canvas fits too).
+static int encode_chunk_rows(const dg_model *m) {
+    return m->hp.canvas_length > MIN_ENCODE_CHUNK ? m->hp.canvas_length : MIN_ENCODE_CHUNK;
+}
+
+// Cache slot of position `pos` in layer il.
+static int slot_of(const dg_context *c, int il, int pos) {
+    return c->model->layers[il].sliding ? pos - c->swa_base : pos;
+}
+
+// Make room in the sliding caches for rows at positions [n_past, n_past + n): keep the last W−1 context positions
+// (+ up to KEY_MULTIPLE−1 for padding) and move them to the front. Graph views point at slots: drop the graphs.
+static void free_step_graphs(dg_context *c);
+
+static void make_sliding_room(dg_context *c, int n) {
+    const dg_model *m = c->model;
+    if (c->n_past + n - c->swa_base <= c->swa_cap) return;
+    const int visible = m->hp.sliding_window - 1 + KEY_MULTIPLE - 1;
+    const int keep = c->n_past < visible ? c->n_past : visible;
+    const int shift = c->n_past - keep - c->swa_base;
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        if (!m->layers[il].sliding) continue;
+        struct ggml_tensor *kc = c->k_cache[il], *vc = c->v_cache[il];
+        memmove(kc->data, (char *)kc->data + (size_t)shift * kc->nb[2], (size_t)keep * kc->nb[2]);
+        for (int64_t r = 0; r < vc->ne[1] * vc->ne[2]; r++) {  // V is transposed: every (dim, head) row holds slots
+            float *row = (float *)vc->data + r * vc->ne[0];
+            memmove(row, row + shift, sizeof(float) * (size_t)keep);
+        }
+    }
+    c->swa_base += shift;
+    free_step_graphs(c);
+}
+
+static dg_attn_span span_for(const dg_context *c, int il, int n_past, int n_new) {
+    const dg_model *m = c->model;
     dg_attn_span s = {0, n_past + n_new, 0};
     if (m->layers[il].sliding) {
-        const int keep = m->hp.sliding_window - 1;  // context slots a sliding layer retains
-        s.first = n_past > keep ? n_past - keep : 0;
-        s.len = n_past + n_new - s.first;
+        const int keep = m->hp.sliding_window - 1;  // context positions a sliding layer sees
+        const int first_pos = n_past > keep ? n_past - keep : 0;
+        s.first = first_pos - c->swa_base;
+        s.len = n_past + n_new - first_pos;
         const int pad = (KEY_MULTIPLE - s.len % KEY_MULTIPLE) % KEY_MULTIPLE;
         if (s.first >= pad) {
             s.first -= pad;
@@ -160,11 +197,11 @@ static void fill_positions(int32_t *pos, int first, int n) {
 
 // Causal mask for n rows at positions n_past.. over the slots of `span`; sliding layers also hide keys ≤ p − W
 // (which covers the span's padding slots: they precede n_past − (W − 1)).
-static void fill_encoder_mask(float *mask, dg_attn_span span, int n_past, int n, int window, bool sliding) {
+static void fill_encoder_mask(float *mask, dg_attn_span span, int base, int n_past, int n, int window, bool sliding) {
     for (int t = 0; t < n; t++) {
         const int p = n_past + t;
         for (int j = 0; j < span.len; j++) {
-            const int s = span.first + j;
+            const int s = base + span.first + j;  // position held by the slot
             const bool visible = s <= p && (!sliding || s > p - window);
             mask[(size_t)t * span.len + j] = visible ? 0.0f : -INFINITY;
         }
@@ -195,17 +232,18 @@ static bool encode_chunk(dg_context *c, const int32_t *ids, int n, char *err, si
     for (int kind = 0; kind < 2; kind++) {
         int il = kind ? sliding_layer : full_layer;
         if (il < 0) continue;
-        spans[kind] = span_for(m, il, c->n_past, n);
+        spans[kind] = span_for(c, il, c->n_past, n);
         mask[kind] = ggml_new_tensor_2d(gctx, GGML_TYPE_F32, spans[kind].len, n);
         ggml_set_input(mask[kind]);
     }
-    for (int il = 0; il < m->hp.n_layer; il++) spans[m->layers[il].sliding] = span_for(m, il, c->n_past, n);
+    for (int il = 0; il < m->hp.n_layer; il++) spans[m->layers[il].sliding] = span_for(c, il, c->n_past, n);
 
     struct ggml_tensor *x = embed(gctx, m, ids_t);
     for (int il = 0; il < m->hp.n_layer; il++) {
         const int kind = m->layers[il].sliding;
         const bool last = il == m->hp.n_layer - 1;  // its output feeds nothing: store K/V only
-        x = dg_build_layer(gctx, gf, m, c, il, x, pos_t, mask[kind], c->n_past, spans[kind], true, last);
+        x = dg_build_layer(gctx, gf, m, c, il, x, pos_t, mask[kind], slot_of(c, il, c->n_past), spans[kind], true,
+                           last);
     }
 
     bool ok = place_graph(c, gctx, gf, err, err_len);
@@ -219,7 +257,8 @@ static bool encode_chunk(dg_context *c, const int32_t *ids, int n, char *err, si
             free(pos);
             for (int kind = 0; kind < 2; kind++) {
                 if (!mask[kind]) continue;
-                fill_encoder_mask(mask[kind]->data, spans[kind], c->n_past, n, m->hp.sliding_window, kind == 1);
+                fill_encoder_mask(mask[kind]->data, spans[kind], kind == 1 ? c->swa_base : 0, c->n_past, n,
+                                  m->hp.sliding_window, kind == 1);
             }
             ok = compute(c, gf, err, err_len);
         } else {
@@ -290,14 +329,14 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
     g->mask = NULL;
     g->sliding_span = (dg_attn_span){0, 0, 0};
     for (int il = 0; il < m->hp.n_layer; il++) {
-        const dg_attn_span span = span_for(m, il, c->n_past, n);
+        const dg_attn_span span = span_for(c, il, c->n_past, n);
         if (span.padding > 0 && !g->mask) {  // the decoder has no mask except to hide padding slots
             g->mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, span.len, n);
             ggml_set_input(g->mask);
             g->sliding_span = span;
         }
-        x = dg_build_layer(ctx, g->gf, m, c, il, x, g->pos, span.padding > 0 ? g->mask : NULL, c->n_past, span,
-                           false, false);
+        x = dg_build_layer(ctx, g->gf, m, c, il, x, g->pos, span.padding > 0 ? g->mask : NULL,
+                           slot_of(c, il, c->n_past), span, false, false);
     }
     x = dg_build_rmsw(ctx, m, x, m->output_norm);
     struct ggml_tensor *logits = ggml_mul_mat(ctx, m->output ? m->output : m->tok_embd, x);  // [V, n]
@@ -356,10 +395,13 @@ DG_API dg_context *dg_context_new(dg_model *m, int n_ctx, int n_threads, char *e
         goto fail;
     }
     ggml_backend_cpu_set_n_threads(c->backend, n_threads);
+    const int64_t swa_cap = (int64_t)m->hp.sliding_window - 1 + KEY_MULTIPLE - 1 + encode_chunk_rows(m);
+    c->swa_cap = swa_cap < n_ctx ? (int)swa_cap : n_ctx;
     for (int il = 0; il < L; il++) {
         const dg_layer *ly = &m->layers[il];
-        c->k_cache[il] = ggml_new_tensor_3d(c->ctx_state, GGML_TYPE_F32, ly->head_dim, ly->n_head_kv, n_ctx);
-        c->v_cache[il] = ggml_new_tensor_3d(c->ctx_state, GGML_TYPE_F32, n_ctx, ly->head_dim, ly->n_head_kv);
+        const int slots = ly->sliding ? c->swa_cap : n_ctx;
+        c->k_cache[il] = ggml_new_tensor_3d(c->ctx_state, GGML_TYPE_F32, ly->head_dim, ly->n_head_kv, slots);
+        c->v_cache[il] = ggml_new_tensor_3d(c->ctx_state, GGML_TYPE_F32, slots, ly->head_dim, ly->n_head_kv);
     }
     for (int i = 0; i < 2; i++) {
         c->logits[i] = ggml_new_tensor_2d(c->ctx_state, GGML_TYPE_F32, m->hp.n_vocab, m->hp.canvas_length);
@@ -432,6 +474,7 @@ DG_API int dg_context_soft_embedding(dg_context *c, const float *probs, int n, f
 
 DG_API void dg_context_reset(dg_context *c) {
     c->n_past = 0;
+    c->swa_base = 0;
     c->last = -1;
     c->last_rows = 0;
     free_step_graphs(c);
@@ -449,8 +492,10 @@ DG_API int dg_context_encode(dg_context *c, const int32_t *ids, int n, char *err
         return -1;
     }
     if (!ids_ok(c->model, ids, n, err, err_len)) return -1;
-    for (int off = 0; off < n; off += ENCODE_CHUNK) {
-        const int nc = n - off < ENCODE_CHUNK ? n - off : ENCODE_CHUNK;
+    const int chunk = encode_chunk_rows(c->model);
+    for (int off = 0; off < n; off += chunk) {
+        const int nc = n - off < chunk ? n - off : chunk;
+        make_sliding_room(c, nc);
         if (!encode_chunk(c, ids + off, nc, err, err_len)) return -1;
     }
     return 0;
@@ -481,6 +526,7 @@ static float *step_impl(dg_context *c, const int32_t *ids, int n, int use_self_c
             return NULL;
         }
     }
+    make_sliding_room(c, n);
     if (c->steps_n_past != c->n_past || c->steps_n_rows != n) {
         free_step_graphs(c);
         c->steps_n_past = c->n_past;

@@ -104,8 +104,10 @@ typedef struct dg_context {
 
     struct ggml_context *ctx_state;
     ggml_backend_buffer_t buf_state;
-    struct ggml_tensor **k_cache;  // per layer: [head_dim, n_head_kv, n_ctx]
-    struct ggml_tensor **v_cache;  // per layer, transposed: [n_ctx, head_dim, n_head_kv]
+    struct ggml_tensor **k_cache;  // per layer: [head_dim, n_head_kv, slots]
+    struct ggml_tensor **v_cache;  // per layer, transposed: [slots, head_dim, n_head_kv]
+    int swa_cap;                   // slots of a sliding layer's cache (full layers: n_ctx)
+    int swa_base;                  // position held by slot 0 of the sliding caches (full layers: 0)
     struct ggml_tensor *logits[2]; // ping-pong [n_vocab, canvas_length]
     int last;                      // buffer holding the previous step's raw logits, -1 if none
     int last_rows;
