@@ -4,7 +4,6 @@
 #ifndef DG_MT19937_H
 #define DG_MT19937_H
 
-#include <math.h>
 #include <stdint.h>
 
 #define DG_MT_N 624
@@ -18,13 +17,13 @@ void     dg_mt_seed(dg_mt19937 *mt, uint32_t seed);   // init_genrand: torch.man
 uint32_t dg_mt_next(dg_mt19937 *mt);                  // one tempered 32-bit output
 void     dg_mt_skip(dg_mt19937 *mt, uint64_t count);  // advance as if `count` outputs had been drawn
 
-// torch's exponential_(1): two outputs -> 53-bit uniform u in [0, 1) -> (float)(-log1p(-u)).
-static inline float dg_mt_exponential(dg_mt19937 *mt) {
+// The uniform behind torch's exponential_(1): two outputs -> 53-bit u in [0, 1); torch's sample is then
+// (float)(-log1p(-u)).
+static inline double dg_mt_uniform53(dg_mt19937 *mt) {
     uint64_t hi = dg_mt_next(mt);
     uint64_t lo = dg_mt_next(mt);
     uint64_t bits = ((hi << 32) | lo) & ((UINT64_C(1) << 53) - 1);
-    double u = (double)bits * (1.0 / 9007199254740992.0);  // 2^-53
-    return (float)(-log1p(-u));
+    return (double)bits * (1.0 / 9007199254740992.0);  // 2^-53
 }
 
 #endif

@@ -207,8 +207,6 @@ int32_t dg_sampler_begin_canvas(dg_sampler *s, int32_t *canvas) {
 // ---------------------------------------------------------------------------------------------------------------
 // Per-row work
 
-
-
 // Processes one row: z = raw / T, argmax (first maximum), entropy, and the categorical draw.
 static void sample_row(row_job *job, int32_t row) {
     const dg_sampler *s = job->s;
@@ -241,7 +239,7 @@ static void sample_row(row_job *job, int32_t row) {
     double h = log(sum) - weighted / sum;
     s->entropy[row] = (float)(h > 0.0 ? h : 0.0);
 
-    // Pass 3: the categorical draw.
+    // Pass 3: the categorical draw (greedy variant: the argmax itself).
     int32_t drawn = best;
     if (s->p.greedy) {
         drawn = best;
@@ -252,11 +250,8 @@ static void sample_row(row_job *job, int32_t row) {
         const float inv = 1.0f / (float)sum;
         float best_ratio = -1.0f;
         for (int32_t v = 0; v < V; v++) {
-            uint64_t hi = dg_mt_next(&job->mt);
-            uint64_t lo = dg_mt_next(&job->mt);
+            double u = dg_mt_uniform53(&job->mt);
             float pv = e[v] * inv;
-            uint64_t bits = ((hi << 32) | lo) & ((UINT64_C(1) << 53) - 1);
-            double u = (double)bits * (1.0 / 9007199254740992.0);
             // -log1p(-u) >= u, so u * best >= p (1 + 1e-6) implies fl(p / Exp) <= best: no new maximum.
             if (best_ratio > 0.0f && u * (double)best_ratio >= (double)pv * (1.0 + 1e-6)) {
                 continue;
