@@ -264,6 +264,10 @@ class Context:
         if _engine().dg_context_encode(self._require(), arr.ctypes.data, arr.size, err, _ERR_LEN) != 0:
             raise EngineError(_error(err))
 
+    def commit(self, ids) -> None:
+        """Append a finished canvas to the cache: an encoder pass at its positions (same as `encode`)."""
+        self.encode(ids)
+
     def step(self, canvas_ids, sc_temperature: float | None = None) -> np.ndarray:
         """One decoder step; float32 [len(canvas_ids), n_vocab] softcapped raw logits (read-only view).
 
