@@ -1,7 +1,8 @@
 // Graph builders for one DiffusionGemma layer (spec model.md §b), shared by the encoder and the decoder.
 //
 // Exactness notes (each is covered by a test against transformers):
-// - GELU is composed from tanh and arithmetic: ggml's gelu/geglu on the CPU go through an fp16 lookup table.
+// - GELU (tanh form) is composed from exact f32 ops (x·σ(2u)): ggml's gelu/geglu on the CPU go through an fp16
+//   lookup table, which misses 1e-4.
 // - RoPE is NEOX with n_dims = head_dim; full layers get the partial rotary through `rope_freqs` factors.
 // - Attention scale is 1.0 (q and k are RMS-normalised instead).
 #include <math.h>
