@@ -166,7 +166,7 @@ def registry_allow_list() -> set[str]:
     return {item.strip().lower() for item in _env("DGEMMA_REGISTRY_ALLOW").split(",") if item.strip()}
 
 
-def _is_loopback_host(host: str) -> bool:
+def is_loopback_host(host: str) -> bool:
     if host.lower() == "localhost":
         return True
     try:
@@ -188,7 +188,7 @@ def registry_endpoint(name: ModelName, insecure: bool = False) -> tuple[Endpoint
         port = parts.port or (443 if parts.scheme == "https" else 80)
         return Endpoint(parts.scheme, parts.hostname, port, parts.path.rstrip("/")), True
     host, _ = _split_host_port(name.host, 0)
-    plain = insecure and (name.scheme == "http" or _is_loopback_host(host))
+    plain = insecure and (name.scheme == "http" or is_loopback_host(host))
     scheme = "http" if plain else "https"
     host, port = _split_host_port(name.host, 80 if plain else 443)
     return Endpoint(scheme, host, port), False

@@ -3,13 +3,13 @@
 Every value remembers where it came from so `dgemma serve` can log the effective configuration and its sources.
 Only `DGEMMA_*` variables are read: a machine that also runs Ollama must not have dgemma bind its port or use its store.
 """
-import ipaddress
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from dgemma_cli.errors import DgemmaError
+from dgemma_cli.registry import is_loopback_host
 from dgemma_cli.server.durations import FOREVER, parse_keep_alive
 
 DEFAULT_PORT = 11435
@@ -40,13 +40,6 @@ class HostAddress:
         return f"{self.scheme}://{host}:{self.port}"
 
 
-def is_loopback_host(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def parse_host(value: str, warnings: list[str] | None = None) -> HostAddress:
