@@ -53,12 +53,13 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def last_training_record(source: Path) -> dict:
+def training_log_until_save(source: Path) -> list[dict]:
+    """train.py's log up to the record of the step whose weights are saved (it saves exactly where it evaluates; the
+    log runs on every 50 steps past that while training continues)."""
     log = source / "train_log.jsonl"
-    if not log.is_file():
-        return {}
-    lines = [line for line in log.read_text().splitlines() if line.strip()]
-    return json.loads(lines[-1]) if lines else {}
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
+    saved = [i for i, r in enumerate(records) if any(k.startswith("eval_") for k in r)]
+    return records[:saved[-1] + 1] if saved else []
 
 
 def export_checkpoint(source: Path, out: Path) -> None:
@@ -82,8 +83,9 @@ def export_checkpoint(source: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     shutil.copyfile(source / "generation_config.json", out / "generation_config.json")
     write_tokenizer(out, int(config["text_config"]["vocab_size"]))
-    if (source / "train_log.jsonl").is_file():  # the training curve, as evidence for the README's table
-        shutil.copyfile(source / "train_log.jsonl", out / "train_log.jsonl")
+    records = training_log_until_save(source)  # the training curve, as evidence for the README's table
+    if records:
+        (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def write_tokenizer(out: Path, vocab_size: int) -> None:
@@ -137,7 +139,8 @@ def main() -> None:
     convert(args.out_checkpoint, args.out_gguf, args.outtype)
     config = json.loads((args.out_checkpoint / "config.json").read_text())
     info = check_gguf(args.out_gguf, int(config["text_config"]["vocab_size"]))
-    record = last_training_record(args.out_checkpoint)
+    records = training_log_until_save(args.out_checkpoint)
+    record = records[-1] if records else {}
     provenance = {
         "training_step": record.get("step"), "training_minutes": record.get("minutes"),
         "checkpoint_sha256": sha256(args.out_checkpoint / "model.safetensors"),
