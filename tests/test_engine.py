@@ -4,8 +4,8 @@ Teacher-forced replay of the recorded decoder calls (tests/fixtures/<name>/golde
 tests/reference/make_fixtures.py): encode the prompt, then for each recorded call run one decoder step on the recorded
 canvas and compare with the recorded softcapped logits; when a new canvas starts, commit the finished one (the
 recorded sequence slice) with an encoder pass first. The self-conditioning input is the recorded previous raw logits,
-tempered by the recorded T inside the engine. (Chaining the engine's own logits instead is not comparable to 1e-4:
-on these sharp random models self-conditioning amplifies a 1e-5 difference about threefold per step.)
+tempered by the recorded T inside the engine. Both fixtures are conditioned so that transformers' own fp32 logits are
+within ~2e-5 of an fp64 run on every recorded call (tests/reference/engine_fp32_floor.json), so 1e-4 holds everywhere.
 """
 from __future__ import annotations
 
@@ -20,15 +20,10 @@ from dgemma_engine.model import Context, Model
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FIXTURE_NAMES = ["tiny-a", "tiny-b"]
-TOLERANCE = 1e-4  # fp32 engine vs fp32 transformers; a plain torch re-implementation reaches ~1e-5
-# max |transformers fp32 − transformers fp64| per fixture and run (tests/reference/engine_fp32_floor.py). tiny-b is
-# sharp enough that fp32 rounding alone moves its logits by ~1e-3; two independent fp32 implementations can then differ
-# by up to twice that, so the bound for a run is max(TOLERANCE, 2 × its floor). tiny-a's floor is ~2e-5.
+TOLERANCE = 1e-4  # fp32 engine vs fp32 transformers (issue 3), on every fixture and every recorded call
+# max |transformers fp32 − transformers fp64| per fixture and run (tests/reference/engine_fp32_floor.py): the
+# disagreement any correct fp32 implementation may have. TOLERANCE is only meaningful while it is well above it.
 FP32_FLOOR = json.loads((Path(__file__).parent / "reference" / "engine_fp32_floor.json").read_text())
-
-
-def tolerance(name: str, run_name: str) -> float:
-    return max(TOLERANCE, 2.0 * FP32_FLOOR[name][run_name])
 
 
 def load_run(name: str, run: str) -> dict[str, np.ndarray]:
@@ -84,17 +79,10 @@ def test_teacher_forced_logits_match_transformers(f32_model, name, run_name, pro
         row_err = []
         for i, logits, want in replay(ctx, run):
             assert logits.shape == want.shape and logits.dtype == np.float32
-            row_err.append(np.abs(logits - want).max(axis=1))
-    row_err = np.array(row_err)  # [calls, canvas rows]
-    tol = tolerance(name, run_name)
-    if tol == TOLERANCE:  # well-conditioned (tiny-a): every logit within 1e-4
-        assert row_err.max() <= TOLERANCE, f"max |Δ| {row_err.max():.2e}"
-        return
-    # Ill-conditioned (tiny-b): its router has top-k near-ties (probability gaps ~1e-5) that fp32 noise can flip,
-    # moving that one token's logits by ~1e-3. Allow such flips on at most 1% of rows, each below 1e-2.
-    over = row_err > tol
-    assert over.mean() <= 0.01 and row_err.max() <= 1e-2, (
-        f"{over.sum()} of {over.size} rows above {tol:.2e}; max {row_err.max():.2e}")
+            row_err.append(float(np.abs(logits - want).max()))
+    assert FP32_FLOOR[name][run_name] <= TOLERANCE / 4, "the fixture is too ill-conditioned for a 1e-4 bar"
+    worst = max(row_err)
+    assert worst <= TOLERANCE, f"max |Δ| {worst:.2e}"
 
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
@@ -108,7 +96,7 @@ def test_replay_covers_self_conditioning_after_two_commits(f32_model, name):
         for i, logits, want in replay(ctx, run):
             if i == third_canvas_sc[0]:
                 assert ctx.n_past == len(run["prompt"]) + 2 * m.hparams.canvas_length
-                assert np.abs(logits - want).max() <= tolerance(name, "g1_seed0")  # no router flip in this run
+                assert np.abs(logits - want).max() <= TOLERANCE
                 break
 
 

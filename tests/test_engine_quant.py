@@ -3,17 +3,16 @@
 Both engines replay the same recorded decoder calls (teacher-forced canvases and self-conditioning inputs, see
 test_engine.py); the reference is the F32 GGUF's logits, the metric is over every canvas row of every call.
 
-Bounds. The fixtures are deliberately sharp (weights ×4, routers with top-k near-ties), so weight rounding alone
-moves their logits a lot: transformers itself, with only its matrices rounded to fp16, agrees with its fp32 top-1
-on 99.3 % (tiny-a) / 96.7 % (tiny-b) of rows, mean KL 1.4e-4 / 1.2e-2 nats. ggml also rounds activations to the
-weight's dot-product type (F16, Q8_0, Q8_K), which roughly doubles that. Measured on g1_seed0 (top-1, mean KL):
+Bounds. Weight rounding moves these small random models' logits a lot (weights ×4 from init; ggml also rounds
+activations to the weight's dot-product type: F16, Q8_0, Q8_K). Measured on g1_seed0 with the fixtures of
+tests/reference/make_fixtures.py (top-1 agreement, mean KL in nats; 1 thread):
 
-    tiny-a  f16 0.995 3.3e-4 | bf16 0.965 1.5e-3 | q8_0 0.852 6.8e-3 | q4_k_m 0.535 4.9e-2
-    tiny-b  f16 0.964 1.4e-2 | bf16 0.734 3.0e-1 | q8_0 0.443 1.4    | q4_k_m 0.293 3.2
+    tiny-a  f16 0.993 8.0e-5 | bf16 0.941 7.1e-4 | q8_0 0.786 1.0e-2 | q4_k_m 0.547 4.6e-2
+    tiny-b  f16 0.993 2.9e-3 | bf16 0.957 8.1e-3 | q8_0 0.873 4.2e-2 | q4_k_m 0.658 2.3e-1
 
 (Q4_K_M on these widths is mostly the Q5_0 fallback: K-quants need rows of 256.) The bounds below leave ~15 %
-on agreement and ~2× on KL for thread-count and platform rounding; a broken quantised path (wrong block layout, wrong
-expert rows) lands near chance: top-1 ≈ 1/vocab ≈ 0.3 %, KL of several nats.
+(at most 0.05 absolute for F16) on agreement and ~2× on KL for thread-count and platform rounding; a broken quantised
+path (wrong block layout, wrong expert rows) lands near chance: top-1 ≈ 1/vocab ≈ 0.3 %, KL of several nats.
 """
 from __future__ import annotations
 
@@ -28,14 +27,14 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 # (fixture, outtype): (minimum top-1 agreement, maximum mean KL in nats)
 BOUNDS = {
-    ("tiny-a", "f16"): (0.97, 1e-3),
-    ("tiny-a", "bf16"): (0.90, 4e-3),
-    ("tiny-a", "q8_0"): (0.72, 1.5e-2),
-    ("tiny-a", "q4_k_m"): (0.45, 0.1),
-    ("tiny-b", "f16"): (0.90, 3e-2),
-    ("tiny-b", "bf16"): (0.60, 0.6),
-    ("tiny-b", "q8_0"): (0.35, 2.8),
-    ("tiny-b", "q4_k_m"): (0.22, 6.0),
+    ("tiny-a", "f16"): (0.95, 2e-4),
+    ("tiny-a", "bf16"): (0.85, 1.5e-3),
+    ("tiny-a", "q8_0"): (0.67, 2e-2),
+    ("tiny-a", "q4_k_m"): (0.46, 0.1),
+    ("tiny-b", "f16"): (0.95, 6e-3),
+    ("tiny-b", "bf16"): (0.85, 1.6e-2),
+    ("tiny-b", "q8_0"): (0.75, 8e-2),
+    ("tiny-b", "q4_k_m"): (0.56, 0.46),
 }
 
 

@@ -1,17 +1,15 @@
 """Free-running generation on the engine (`dgemma debug generate --rng torch`) against transformers' goldens.
 
-What can be exact: the fixture models amplify rounding-level logit differences through self-conditioning (5-35x per
-step on tiny-a), so an independent fp32 forward cannot follow transformers through long denoising chains: it parts
-at the first near-tie of a draw, an argmax or the entropy sort (shared/spec/model.md §f, end). Which runs are
-reproducible was measured on transformers itself by tests/reference/make_free_running_robustness.py (golden:
+Why this can be exact: self-conditioning feeds each step's logits into the next, so a rounding-level difference can
+grow from step to step and part two fp32 implementations at the first near-tie of a draw, an argmax or the entropy
+sort (shared/spec/model.md §f, end). The fixtures are conditioned against that (tests/fixtures/README.md §1), and
+tests/reference/make_free_running_robustness.py checks it on transformers itself (golden:
 tests/goldens/free_running_robustness.json): a run is "robust" if transformers still produces its golden sequence
-with noise at the fixture's fp32 floor (max |fp32 - fp64| of transformers' own logits, tiny-a 1.9e-5, tiny-b 1.3e-3)
-on every decoder output; otherwise the file records how many leading decoder calls survived. tiny-b is so
-ill-conditioned that none of its runs is robust (transformers' own fp32 result is ~1e-3 from the exact one).
+with Gaussian noise at the fixture's fp32 floor (max |fp32 - fp64| of transformers' own logits,
+tests/reference/engine_fp32_floor.json) added to every decoder output, in every trial.
 
-- robust runs: the engine must reproduce the golden sequence and steps per canvas exactly;
-- every other run: the engine must feed transformers' canvases for at least min(surviving calls, 5) decoder calls
-  (init draw, prefill, first steps and sampler all agree before the chain amplification takes over).
+- every fixture must have robust runs for >= 4 seeds with 3 canvases, and a robust run that stops at an EOS id;
+- every robust run: the engine must reproduce the golden sequence and steps per canvas exactly (issue 4).
 """
 from __future__ import annotations
 
@@ -24,12 +22,11 @@ import numpy as np
 import pytest
 
 from dgemma_engine.debug_generate import run_debug_generation
-from dgemma_engine.generate import SamplerParams, StepEvent, generate
-from dgemma_engine.model import Context, Model
+from dgemma_engine.generate import SamplerParams
+from dgemma_engine.model import Model
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ROBUSTNESS = json.loads((Path(__file__).parent / "goldens" / "free_running_robustness.json").read_text())
-LEADING_CAP = 5
 THREADS = 1  # tiny models: one thread is fastest, and ggml worker threads spin badly on a loaded CI machine
 
 
@@ -71,10 +68,19 @@ def models(gguf_path):
         m.close()
 
 
-def test_robust_runs_cover_seeds_and_canvases() -> None:
-    robust = runs(True)
-    assert len({r.split("_seed")[1] for _, r in robust}) >= 4, "fewer than 4 seeds reproducible"
-    assert any(golden(n, r)[0]["steps_per_canvas"].__len__() == 3 for n, r in robust), "no 3-canvas run"
+@pytest.mark.parametrize("name", ["tiny-a", "tiny-b"])
+def test_robust_runs_cover_seeds_canvases_and_eos(name: str) -> None:
+    robust = [r for n, r in runs(True) if n == name]
+    metas = [golden(name, r)[0] for r in robust]
+    three_canvas_seeds = {meta["seed"] for meta in metas if len(meta["steps_per_canvas"]) == 3}
+    assert len(three_canvas_seeds) >= 4, f"{name}: 3-canvas robust runs for seeds {sorted(three_canvas_seeds)} only"
+
+    def stops_at_eos(run: str) -> bool:  # an EOS id was committed before max_new_tokens ran out
+        _, gen, rec = golden(name, run)
+        out = rec["seq"][len(rec["prompt"]):]
+        return bool(np.isin(out, gen["eos_token_id"]).any()) and len(out) < gen["max_new_tokens"]
+
+    assert any(stops_at_eos(r) for r in robust), f"{name}: no robust run stops at an EOS id"
 
 
 @pytest.mark.parametrize("name,run", [case(n, r) for n, r in runs(True)])
@@ -84,32 +90,6 @@ def test_robust_runs_are_reproduced_exactly(models, name: str, run: str) -> None
                                eos_ids=gen["eos_token_id"], pad_id=gen["pad_token_id"], threads=THREADS)
     assert out["sequence"] == rec["seq"].tolist()
     assert out["steps_per_canvas"] == meta["steps_per_canvas"]
-
-
-@pytest.mark.parametrize("name,run", [case(n, r) for n, r in runs(False)
-                                      if r.startswith("g1_")])
-def test_other_runs_follow_transformers_until_the_chain_amplifies(models, name: str, run: str) -> None:
-    meta, gen, rec = golden(name, run)
-    need = min(ROBUSTNESS["fixtures"][name][run]["min_leading_calls"], LEADING_CAP)
-    model = models(name)
-    with Context(model, n_ctx=len(rec["prompt"]) + 64, threads=THREADS) as ctx:
-        fed: list[np.ndarray] = []
-        step = ctx.step
-
-        def recording_step(canvas, sc_temperature=None):
-            fed.append(np.asarray(canvas).copy())
-            return step(canvas, sc_temperature)
-
-        ctx.step = recording_step
-        events = generate(ctx, rec["prompt"].tolist(), params_for(gen, meta), max_new_tokens=gen["max_new_tokens"],
-                          eos_ids=gen["eos_token_id"], threads=THREADS)
-        for event in events:
-            if isinstance(event, StepEvent) and len(fed) >= need:
-                events.close()
-                break
-    assert len(fed) >= need
-    for k in range(need):
-        assert np.array_equal(fed[k], rec["canvas"][k]), f"decoder call {k} was fed a different canvas"
 
 
 def test_cli_prints_the_golden_sequence(gguf_path) -> None:
