@@ -168,7 +168,26 @@ def _default_threads(threads: int | None) -> int:
     return int(threads)
 
 
-class Model:
+class _Closeable:
+    """Native handles: usable as context managers, and freed at garbage collection if never closed."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Model(_Closeable):
     """A memory-mapped DiffusionGemma GGUF. Use `Model.load`."""
 
     def __init__(self, handle: int, path: Path, threads: int):
@@ -211,17 +230,6 @@ class Model:
             _engine().dg_model_free(self._handle)
             self._handle = None
 
-    def __enter__(self) -> Model:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def _token_array(ids, n_vocab: int, what: str) -> np.ndarray:
@@ -234,7 +242,7 @@ def _token_array(ids, n_vocab: int, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
-class Context:
+class Context(_Closeable):
     """K/V cache + decoder state for one sequence."""
 
     def __init__(self, model: Model, n_ctx: int = 4096, threads: int | None = None):
@@ -337,14 +345,3 @@ class Context:
             _engine().dg_context_free(self._handle)
             self._handle = None
 
-    def __enter__(self) -> Context:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
