@@ -25,3 +25,24 @@ def gguf_path(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], 
         return cache[key]
 
     return build
+
+
+@pytest.fixture(scope="module")
+def registry_servers():
+    """A fake registry and a second loopback "CDN" host serving the same blobs (tests/registry_server.py)."""
+    from registry_server import FakeRegistry
+
+    with FakeRegistry() as reg, FakeRegistry(blobs=reg.blobs) as cdn:
+        reg.cdn = cdn
+        yield reg, cdn
+
+
+@pytest.fixture
+def registry(registry_servers, monkeypatch):
+    """The module's registry + CDN pair, emptied for this test and exempt from the SSRF gate."""
+    reg, cdn = registry_servers
+    reg.reset()
+    cdn.reset()
+    monkeypatch.setenv("DGEMMA_REGISTRY_ALLOW", f"{reg.host},{cdn.host}")
+    monkeypatch.delenv("DGEMMA_REGISTRY_MIRRORS", raising=False)
+    return reg

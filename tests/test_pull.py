@@ -28,23 +28,6 @@ def gguf_blob(tmp_path: Path) -> bytes:
     return tiny_gguf_bytes(tmp_path)
 
 
-@pytest.fixture(scope="module")
-def servers():
-    with FakeRegistry() as reg, FakeRegistry(blobs=reg.blobs) as cdn:
-        reg.cdn = cdn
-        yield reg, cdn
-
-
-@pytest.fixture
-def registry(servers, monkeypatch):
-    """The module's registry + CDN pair, emptied for this test."""
-    reg, cdn = servers
-    reg.reset()
-    cdn.reset()
-    monkeypatch.setenv("DGEMMA_REGISTRY_ALLOW", f"{reg.host},{cdn.host}")
-    monkeypatch.delenv("DGEMMA_REGISTRY_MIRRORS", raising=False)
-    return reg
-
 
 def run_pull(name: str, store: Store, **kw) -> list[dict]:
     options = kw.pop("options", None) or fast_options()

@@ -271,21 +271,8 @@ def test_gate_refuses_non_regular_files_without_blocking(tmp_path):
 
 # ---- E. registry client --------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def servers():
-    with FakeRegistry() as registry, FakeRegistry(blobs=registry.blobs) as cdn:
-        registry.cdn = cdn
-        yield registry, cdn
-
-
 @pytest.fixture
-def reg(servers, monkeypatch):
-    """The module's registry + CDN pair, emptied for this test."""
-    registry, cdn = servers
-    registry.reset()
-    cdn.reset()
-    monkeypatch.setenv("DGEMMA_REGISTRY_ALLOW", f"{registry.host},{cdn.host}")
-    monkeypatch.delenv("DGEMMA_REGISTRY_MIRRORS", raising=False)
+def reg(registry):
     return registry
 
 
