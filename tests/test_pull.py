@@ -10,7 +10,7 @@ import pytest
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.registry import PullOptions, pull
 from dgemma_cli.store import MEDIA_LICENSE, MEDIA_MODEL, MEDIA_PARAMS, Store
-from registry_server import FakeRegistry, digest_of
+from registry_server import digest_of
 from store_helpers import tiny_gguf_bytes
 
 PART = 256  # tiny parts so every blob is multi-part
