@@ -104,7 +104,8 @@ def microbench(products: list[Product], types: dict[str, int], threads: int) -> 
     fn = lib.dg_bench_mul_mat
     fn.restype = ctypes.c_double
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_size_t]
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.c_char_p,
+                   ctypes.c_size_t]
     err = ctypes.create_string_buffer(256)
     f32, f16 = 0, 1
     cache: dict[tuple, tuple[float, float]] = {}
@@ -118,7 +119,7 @@ def microbench(products: list[Product], types: dict[str, int], threads: int) -> 
         key = (t, p.k, p.m, p.n, p.n_expert, p.n_used)
         if key not in cache:
             cpu = ctypes.c_double(0)
-            wall = fn(t, p.k, p.m, p.n, p.n_expert, p.n_used, threads, 3, ctypes.byref(cpu), err, len(err))
+            wall = fn(t, p.k, p.m, p.n, p.n_expert, p.n_used, 0, threads, 3, ctypes.byref(cpu), err, len(err))
             if wall < 0:
                 raise RuntimeError(err.value.decode())
             cache[key] = (wall, cpu.value)

@@ -107,11 +107,12 @@ static bool compute_profiled(dg_context *c, struct ggml_cgraph *gf, double *seco
         ok = compute(c, one, err, err_len);
         const double dt = elapsed_s(&t0);
         seconds[node->op] += dt;
-        if (getenv("DGEMMA_PROFILE_NODES") && node->src[0] && node->src[1]) {  // one line per node, for bench notes
-            const struct ggml_tensor *a = node->src[0], *b = node->src[1];
-            fprintf(stderr, "%s %s [%lld,%lld,%lld] x %s [%lld,%lld,%lld] %.6f\n", ggml_op_desc(node),
+        if (getenv("DGEMMA_PROFILE_NODES") && node->src[0]) {  // one line per node, for bench notes
+            const struct ggml_tensor *a = node->src[0], *b = node->src[1] ? node->src[1] : node->src[0];
+            fprintf(stderr, "%s %s [%lld,%lld,%lld] x %s [%lld,%lld,%lld] -> [%lld,%lld,%lld] %.6f\n", ggml_op_desc(node),
                     ggml_type_name(a->type), (long long)a->ne[0], (long long)a->ne[1], (long long)a->ne[2],
-                    ggml_type_name(b->type), (long long)b->ne[0], (long long)b->ne[1], (long long)b->ne[2], dt);
+                    ggml_type_name(b->type), (long long)b->ne[0], (long long)b->ne[1], (long long)b->ne[2],
+                    (long long)node->ne[0], (long long)node->ne[1], (long long)node->ne[2], dt);
         }
     }
     ggml_free(scratch);

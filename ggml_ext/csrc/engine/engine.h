@@ -136,4 +136,8 @@ struct ggml_tensor *dg_build_softcap(struct ggml_context *ctx, struct ggml_tenso
 struct ggml_tensor *dg_build_gated_mlp(struct ggml_context *ctx, struct ggml_tensor *x, struct ggml_tensor *gate,
                                        struct ggml_tensor *up, struct ggml_tensor *down);
 
+// expert_matmul.c: ggml_mul_mat_id, with a register-tiled custom op for F32 weights on x86 (AVX2 / AVX-512)
+struct ggml_tensor *dg_build_expert_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
+                                           struct ggml_tensor *ids);
+
 void dg_set_err(char *err, size_t err_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

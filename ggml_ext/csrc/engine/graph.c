@@ -58,15 +58,15 @@ static struct ggml_tensor *build_moe(struct ggml_context *ctx, const dg_model *m
     struct ggml_tensor *gate, *up;
     if (L->gate_up_exps) {
         // fused [H, 2·FFe, E]: output rows [0, FFe) are gate, [FFe, 2·FFe) are up
-        struct ggml_tensor *gu = ggml_mul_mat_id(ctx, L->gate_up_exps, xe, idx);  // [2·FFe, K, T]
+        struct ggml_tensor *gu = dg_build_expert_matmul(ctx, L->gate_up_exps, xe, idx);  // [2·FFe, K, T]
         gate = ggml_cont(ctx, ggml_view_3d(ctx, gu, FFe, K, T, gu->nb[1], gu->nb[2], 0));
         up = ggml_view_3d(ctx, gu, FFe, K, T, gu->nb[1], gu->nb[2], FFe * ggml_element_size(gu));
     } else {
-        gate = ggml_mul_mat_id(ctx, L->gate_exps, xe, idx);
-        up = ggml_mul_mat_id(ctx, L->up_exps, xe, idx);
+        gate = dg_build_expert_matmul(ctx, L->gate_exps, xe, idx);
+        up = dg_build_expert_matmul(ctx, L->up_exps, xe, idx);
     }
     struct ggml_tensor *act = ggml_mul(ctx, gelu_tanh(ctx, gate), up);         // [FFe, K, T]
-    struct ggml_tensor *y = ggml_mul_mat_id(ctx, L->down_exps, act, idx);      // [H, K, T]
+    struct ggml_tensor *y = dg_build_expert_matmul(ctx, L->down_exps, act, idx);      // [H, K, T]
     y = ggml_mul(ctx, y, w);
 
     struct ggml_tensor *out = ggml_view_2d(ctx, y, H, T, y->nb[2], 0);
