@@ -296,9 +296,11 @@ static struct ggml_tensor *soft_embedding(struct ggml_context *ctx, const dg_mod
     if (KC * NCH != V) p = ggml_pad(ctx, p, (int)(KC * NCH - V), 0, 0, 0);  // zero probabilities for padding rows
     p = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_3d(ctx, p, KC, NCH, n), 0, 2, 1, 3));  // [KC, n, NCH]
     struct ggml_tensor *parts = ggml_mul_mat(ctx, m->embd_t, p);                             // [H, n, NCH]
-    if (NCH == 1) return ggml_reshape_2d(ctx, parts, H, n);
-    parts = ggml_cont(ctx, ggml_permute(ctx, parts, 1, 2, 0, 3));                            // [NCH, H, n]
-    return ggml_reshape_2d(ctx, ggml_sum_rows(ctx, parts), H, n);
+    struct ggml_tensor *sum = ggml_view_2d(ctx, parts, H, n, parts->nb[1], 0);
+    for (int64_t i = 1; i < NCH; i++) {  // in slice order; cheaper than transposing the partial sums for sum_rows
+        sum = ggml_add(ctx, sum, ggml_view_2d(ctx, parts, H, n, parts->nb[1], (size_t)i * parts->nb[2]));
+    }
+    return NCH == 1 ? ggml_cont(ctx, sum) : sum;
 }
 
 static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, int out, int n) {
@@ -316,11 +318,10 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
     struct ggml_tensor *e = embed(ctx, m, g->ids);
     if (self_cond) {
         // soft embedding of the previous step's tempered distribution, through the SC gated MLP (model.md §d)
-        g->inv_temp = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 1);
-        ggml_set_input(g->inv_temp);
         struct ggml_tensor *prev = c->logits[1 - out];
         prev = ggml_view_2d(ctx, prev, V, n, prev->nb[1], 0);
-        struct ggml_tensor *p = ggml_soft_max(ctx, ggml_mul(ctx, prev, g->inv_temp));  // [V, n]
+        // softmax(prev · 1/T) in one op; 1/T changes every step, so step_impl rewrites the op's scale parameter
+        struct ggml_tensor *p = g->sc_softmax = ggml_soft_max_ext(ctx, prev, NULL, 1.0f, 0.0f);  // [V, n]
         struct ggml_tensor *soft = ggml_scale(ctx, soft_embedding(ctx, m, p), m->embd_scale);  // [H, n]
         struct ggml_tensor *u = dg_build_rmsw(ctx, m, soft, m->sc_pre_norm);
         e = ggml_add(ctx, e, dg_build_gated_mlp(ctx, u, m->sc_gate, m->sc_up, m->sc_down));
@@ -549,7 +550,7 @@ static float *step_impl(dg_context *c, const int32_t *ids, int n, int use_self_c
     ggml_backend_tensor_set(g->ids, ids, 0, ggml_nbytes(g->ids));
     ggml_backend_tensor_set(g->pos, pos, 0, ggml_nbytes(g->pos));
     free(pos);
-    if (sc) ggml_backend_tensor_set(g->inv_temp, &inv_temp, 0, sizeof(float));
+    if (sc) memcpy(&g->sc_softmax->op_params[0], &inv_temp, sizeof(float));  // soft_max_ext's params: scale, bias
     if (g->mask) {
         float *mask = g->mask->data;
         const dg_attn_span span = g->sliding_span;

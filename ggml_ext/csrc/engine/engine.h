@@ -89,7 +89,7 @@ typedef struct dg_attn_span {
 typedef struct dg_step_graph {
     struct ggml_context *ctx;
     struct ggml_cgraph *gf;
-    struct ggml_tensor *ids, *pos, *inv_temp;
+    struct ggml_tensor *ids, *pos, *sc_softmax;
     struct ggml_tensor *mask;  // sliding layers' padding mask, NULL when no padding
     dg_attn_span sliding_span;
 } dg_step_graph;
