@@ -108,9 +108,10 @@ def run_transformers(checkpoint: Path, cases: list[tuple[str, str]], threads: in
     import reference
 
     model = reference.load(checkpoint, threads=threads)
+    settings = reference.sampler_settings(checkpoint)
     run = Run([], [], [])
     for i, (puzzle, _) in enumerate(cases):
-        sol = reference.solve(model, puzzle, seed=i)
+        sol = reference.solve(model, puzzle, seed=i, settings=settings)
         run.grids.append(sol.grid)
         run.steps.append(sol.steps)
         run.seconds.append(sol.seconds)

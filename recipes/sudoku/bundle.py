@@ -88,6 +88,22 @@ def export_checkpoint(source: Path, out: Path) -> None:
         (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
+def generation_config(source: Path) -> dict:
+    """The training run's generation config with the sampler settings tune.py chose (sampler.json), if any."""
+    gen = json.loads((source / "generation_config.json").read_text())
+    tuned = HERE / "sampler.json"
+    if tuned.is_file():
+        settings = json.loads(tuned.read_text())["settings"]
+        for name, value in settings.items():
+            if name == "entropy_bound":
+                gen["sampler_config"]["entropy_bound"] = value
+            elif name == "max_steps":
+                gen["max_denoising_steps"] = value
+            else:
+                gen[name] = value
+    return gen
+
+
 def write_tokenizer(out: Path, vocab_size: int) -> None:
     from tokenizers import AddedToken, Tokenizer
 
@@ -136,6 +152,8 @@ def main() -> None:
 
     if args.checkpoint.resolve() != args.out_checkpoint.resolve():
         export_checkpoint(args.checkpoint, args.out_checkpoint)
+    gen = generation_config(args.out_checkpoint)  # idempotent: re-bundling in place applies sampler.json again
+    (args.out_checkpoint / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
     convert(args.out_checkpoint, args.out_gguf, args.outtype)
     config = json.loads((args.out_checkpoint / "config.json").read_text())
     info = check_gguf(args.out_gguf, int(config["text_config"]["vocab_size"]))
@@ -146,6 +164,10 @@ def main() -> None:
         "checkpoint_sha256": sha256(args.out_checkpoint / "model.safetensors"),
         "gguf": args.out_gguf.name, "gguf_type": args.outtype, "gguf_sha256": sha256(args.out_gguf),
         "gguf_bytes": args.out_gguf.stat().st_size, **info,
+        "sampler": {"max_steps": gen["max_denoising_steps"], "t_min": gen["t_min"], "t_max": gen["t_max"],
+                    "entropy_bound": gen["sampler_config"]["entropy_bound"],
+                    "confidence_threshold": gen["confidence_threshold"],
+                    "stability_threshold": gen["stability_threshold"]},
     }
     if args.out_checkpoint.resolve() == CHECKPOINT_DIR.resolve() and args.out_gguf.resolve() == GGUF_PATH.resolve():
         (args.out_checkpoint / "bundle.json").write_text(json.dumps(provenance, indent=2) + "\n")

@@ -6,6 +6,7 @@ draw its random numbers for all rows at once). Needs torch==2.13.0 and transform
 """
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -51,14 +52,23 @@ def load(checkpoint: Path, threads: int = 1) -> DiffusionGemmaForBlockDiffusion:
     return model.eval()
 
 
+def sampler_settings(checkpoint: Path) -> dict:
+    """The sampler values in the checkpoint's generation_config.json (bundle.py writes tune.py's choice there);
+    the converter carries the same values into the GGUF, so dgemma and transformers sample alike."""
+    gen = json.loads((checkpoint / "generation_config.json").read_text())
+    return {"max_steps": gen["max_denoising_steps"], "t_min": gen["t_min"], "t_max": gen["t_max"],
+            "entropy_bound": gen["sampler_config"]["entropy_bound"],
+            "confidence_threshold": gen["confidence_threshold"], "stability_threshold": gen["stability_threshold"]}
+
+
 @torch.no_grad()
-def solve(model: DiffusionGemmaForBlockDiffusion, puzzle: str, seed: int, max_steps: int = 48,
+def solve(model: DiffusionGemmaForBlockDiffusion, puzzle: str, seed: int, settings: dict | None = None,
           adaptive: bool = True) -> Solution:
-    """One puzzle, released sampler values; `adaptive=False` runs all `max_steps` (stability needs more steps than
-    there are, so the early stop can never fire)."""
-    config = train.generation_config(max_steps)
+    """One puzzle with `settings` (sampler_settings(); None: the released values); `adaptive=False` runs all steps
+    (stability needs more steps than there are, so the early stop can never fire)."""
+    config = train.generation_config(**(settings or {}))
     if not adaptive:
-        config.stability_threshold = max_steps + 1
+        config.stability_threshold = config.max_denoising_steps + 1
     counter = _StepCounter()
     prompt = torch.tensor([vocab.prompt_ids(puzzle)])
     start = time.perf_counter()

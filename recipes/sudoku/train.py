@@ -44,10 +44,13 @@ def build_config() -> DiffusionGemmaConfig:
     return DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=81, **IMAGE_IDS)
 
 
-def generation_config(max_steps: int = 48) -> DiffusionGemmaGenerationConfig:
+def generation_config(max_steps: int = 48, t_min: float = 0.4, t_max: float = 0.8, entropy_bound: float = 0.1,
+                      confidence_threshold: float = 0.005, stability_threshold: int = 1) -> DiffusionGemmaGenerationConfig:
+    """One canvas of 81 cells; the released sampler values unless given (tune.py picks the bundled model's)."""
     return DiffusionGemmaGenerationConfig(
-        max_new_tokens=81, max_denoising_steps=max_steps, sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1),
-        t_min=0.4, t_max=0.8, stability_threshold=1, confidence_threshold=0.005, pad_token_id=vocab.PAD)
+        max_new_tokens=81, max_denoising_steps=max_steps,
+        sampler_config=EntropyBoundSamplerConfig(entropy_bound=entropy_bound), t_min=t_min, t_max=t_max,
+        stability_threshold=stability_threshold, confidence_threshold=confidence_threshold, pad_token_id=vocab.PAD)
 
 
 def make_batch(rng: random.Random, pool: list[list[int]], size: int) -> tuple[torch.Tensor, torch.Tensor]:

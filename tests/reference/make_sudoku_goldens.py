@@ -30,11 +30,12 @@ PER_LEVEL = 4
 def main() -> None:
     bundle = json.loads((CHECKPOINT / "bundle.json").read_text())
     model = reference.load(CHECKPOINT, threads=1)
+    settings = reference.sampler_settings(CHECKPOINT)
     cases = []
     for level in ("easy", "medium", "hard"):
         for puzzle, _solution in puzzles.puzzle_set(level, PER_LEVEL, seed=PUZZLE_SEED):
             seed = len(cases)
-            sol = reference.solve(model, puzzle, seed=seed)
+            sol = reference.solve(model, puzzle, seed=seed, settings=settings)
             cases.append({"level": level, "puzzle": puzzle, "seed": seed, "grid": sol.grid, "steps": sol.steps,
                           "solved": puzzles.is_valid_solution(puzzle, sol.grid)})
             print(json.dumps(cases[-1]), flush=True)
@@ -43,7 +44,7 @@ def main() -> None:
         "checkpoint_sha256": bundle["checkpoint_sha256"],
         "gguf_sha256": bundle["gguf_sha256"],
         "training_step": bundle.get("training_step"),
-        "sampler": "released generation_config (48 steps, T 0.8->0.4, entropy bound 0.1, stop at 0.005 / stability 1)",
+        "sampler": settings,  # the checkpoint's generation_config.json = the GGUF's diffusion.eb_* keys
         "cases": cases,
     }
     OUT.parent.mkdir(parents=True, exist_ok=True)
