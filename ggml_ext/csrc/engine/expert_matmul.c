@@ -3,7 +3,8 @@
 // Why: ggml's CPU mul_mat_id computes every output with one vector dot product (no tiling), about a third of the rate
 // of its own F32 GEMM; with F32 weights the experts were the largest cost of a decoder step. Here each thread takes a
 // slice of every expert's output rows, and multiplies those weight rows with all of the expert's routed input rows in
-// 4×4 tiles, so that each weight row is read from memory once per step and each loaded vector feeds several FMAs.
+// register tiles (4 weight rows × up to 6 input rows), so that each weight row is read from memory once per step and
+// each loaded vector feeds several FMAs.
 // Quantized weights keep ggml's mul_mat_id (its quantized dot products are the fast path there).
 //
 // Semantics equal ggml_mul_mat_id(w, x, ids): w [Kd, N, E], x [Kd, X1, T] with X1 = 1 (broadcast) or ids->ne[0],
@@ -109,7 +110,7 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// 4×4 tiles with AVX-512 (16 accumulators of 32 registers); 4×3 with AVX2 (12 of 16)
+// 4×6 tiles with AVX-512 (24 accumulators of 32 registers); 4×3 with AVX2 (12 of 16)
 DEFINE_TILE_KERNEL(avx512, "avx512f", 6, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps,
                    _mm512_reduce_add_ps, sum4_512)
 DEFINE_TILE_KERNEL(avx2, "avx2,fma", 3, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, hsum256,
