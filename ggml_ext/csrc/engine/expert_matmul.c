@@ -182,10 +182,14 @@ static void expert_matmul_op(struct ggml_tensor *dst, int ith, int nth, void *us
     free(start);
 }
 
-struct ggml_tensor *dg_build_expert_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
-                                           struct ggml_tensor *ids) {
-    static int isa = -1;
+static cpu_isa best_isa(void) {
+    static int isa = -1;  // a benign race: every thread computes the same value
     if (isa < 0) isa = (int)detect_isa();
+    return (cpu_isa)isa;
+}
+
+static struct ggml_tensor *build_with_isa(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
+                                          struct ggml_tensor *ids, cpu_isa isa) {
     const bool tiled = isa != ISA_NONE && w->type == GGML_TYPE_F32 && x->type == GGML_TYPE_F32 &&
                        w->nb[0] == sizeof(float) && x->nb[0] == sizeof(float) && ids->type == GGML_TYPE_I32;
     if (!tiled) return ggml_mul_mat_id(ctx, w, x, ids);
@@ -194,18 +198,25 @@ struct ggml_tensor *dg_build_expert_matmul(struct ggml_context *ctx, struct ggml
                           GGML_N_TASKS_MAX, (void *)(intptr_t)isa);
 }
 
+struct ggml_tensor *dg_build_expert_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
+                                           struct ggml_tensor *ids) {
+    return build_with_isa(ctx, w, x, ids, best_isa());
+}
+
 static float lcg_uniform(uint64_t *s) {  // in [-0.5, 0.5)
     *s = *s * 6364136223846793005ull + 1442695040888963407ull;
     return (float)(*s >> 40) / (float)(1 << 24) - 0.5f;
 }
 
-// Test hook: the tiled op against ggml_mul_mat_id on the same random F32 data (w [kd, n, n_expert], x [kd, x1, t],
-// n_used distinct experts per token). Returns max |Δ| / max |y| (relative to the output's scale), or < 0 on failure
-// (including "no tiled kernel on this CPU").
+// Test hook: the tiled op (isa 1 = AVX2, 2 = AVX-512) against ggml_mul_mat_id on the same random F32 data
+// (w [kd, n, n_expert], x [kd, x1, t], n_used distinct experts per token). Returns max |Δ| / max |y| (relative to the
+// output's scale); -1 for invalid arguments, -2 when this CPU lacks that instruction set.
 DG_API double dg_check_expert_matmul(int64_t kd, int64_t n, int n_expert, int n_used, int64_t t, int x1, int n_threads,
-                                     uint64_t seed) {
-    if (kd < 1 || n < 1 || t < 1 || n_expert < 1 || n_used < 1 || n_used > n_expert || (x1 != 1 && x1 != n_used))
+                                     uint64_t seed, int isa) {
+    if (kd < 1 || n < 1 || t < 1 || n_expert < 1 || n_used < 1 || n_used > n_expert || (x1 != 1 && x1 != n_used) ||
+        isa < 1 || isa > 2)
         return -1;
+    if ((int)best_isa() < isa) return -2;
     struct ggml_init_params ip = {ggml_tensor_overhead() * 8 + ggml_graph_overhead(), NULL, true};
     struct ggml_context *ctx = ggml_init(ip);
     ggml_backend_t backend = ggml_backend_cpu_init();
@@ -214,7 +225,7 @@ DG_API double dg_check_expert_matmul(int64_t kd, int64_t n, int n_expert, int n_
     struct ggml_tensor *w = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, kd, n, n_expert);
     struct ggml_tensor *x = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, kd, x1, t);
     struct ggml_tensor *ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_used, t);
-    struct ggml_tensor *tiled = dg_build_expert_matmul(ctx, w, x, ids);
+    struct ggml_tensor *tiled = build_with_isa(ctx, w, x, ids, (cpu_isa)isa);
     struct ggml_tensor *ref = ggml_mul_mat_id(ctx, w, x, ids);
     double result = -1;
     if (tiled->op != GGML_OP_CUSTOM) goto done;
