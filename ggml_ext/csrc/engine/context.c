@@ -120,7 +120,8 @@ static bool compute_profiled(dg_context *c, struct ggml_cgraph *gf, double *seco
 }
 
 // ggml's fast F32 GEMM (llamafile sgemm) needs the contraction length to be a multiple of 16; in P·V that is the
-// number of keys. Sliding layers round it up with earlier (valid, cached) slots that the mask hides.
+// number of keys (else ggml falls back to one dot product per output, ~10x slower). Spans are rounded up with earlier
+// (valid, cached) slots where a sliding layer has them, else with unused slots after the new rows; the mask hides both.
 enum { KEY_MULTIPLE = 16 };
 
 // Rows per encoder pass = the most rows a sliding cache must take after its retained tail (a canvas fits too).
@@ -158,20 +159,40 @@ static void make_sliding_room(dg_context *c, int n) {
 
 static dg_attn_span span_for(const dg_context *c, int il, int n_past, int n_new) {
     const dg_model *m = c->model;
-    dg_attn_span s = {0, n_past + n_new, 0};
-    if (m->layers[il].sliding) {
+    const bool sliding = m->layers[il].sliding;
+    dg_attn_span s = {0, n_past + n_new, 0, 0};
+    if (sliding) {
         const int keep = m->hp.sliding_window - 1;  // context positions a sliding layer sees
         const int first_pos = n_past > keep ? n_past - keep : 0;
         s.first = first_pos - c->swa_base;
         s.len = n_past + n_new - first_pos;
-        const int pad = (KEY_MULTIPLE - s.len % KEY_MULTIPLE) % KEY_MULTIPLE;
-        if (s.first >= pad) {
-            s.first -= pad;
-            s.len += pad;
-            s.padding = pad;
-        }
+    }
+    const int pad = (KEY_MULTIPLE - s.len % KEY_MULTIPLE) % KEY_MULTIPLE;
+    if (pad == 0) return s;
+    if (sliding && s.first >= pad) {  // earlier cached slots, hidden by the mask
+        s.first -= pad;
+        s.len += pad;
+        s.padding = pad;
+    } else if (s.first + s.len + pad <= (sliding ? c->swa_cap : c->n_ctx)) {  // unused slots after the new rows
+        s.len += pad;
+        s.tail = pad;
     }
     return s;
+}
+
+// Trailing padding slots hold no K/V yet: zero them, since a masked score is added to whatever K gives there and a
+// zero probability times a NaN in V would still be NaN. A few slots per layer, before each graph run.
+static void clear_tail_slots(dg_context *c, int n_past, int n_new) {
+    for (int il = 0; il < c->model->hp.n_layer; il++) {
+        const dg_attn_span s = span_for(c, il, n_past, n_new);
+        if (s.tail == 0) continue;
+        struct ggml_tensor *kc = c->k_cache[il], *vc = c->v_cache[il];
+        const int from = s.first + s.len - s.tail;
+        memset((char *)kc->data + (size_t)from * kc->nb[2], 0, (size_t)s.tail * kc->nb[2]);
+        for (int64_t r = 0; r < vc->ne[1] * vc->ne[2]; r++) {  // V is transposed: every (dim, head) row holds slots
+            memset((float *)vc->data + r * vc->ne[0] + from, 0, sizeof(float) * (size_t)s.tail);
+        }
+    }
 }
 
 static struct ggml_tensor *embed(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *ids) {
@@ -197,7 +218,7 @@ static void fill_positions(int32_t *pos, int first, int n) {
 // encoder
 
 // Causal mask for n rows at positions n_past.. over the slots of `span`; sliding layers also hide keys ≤ p − W
-// (which covers the span's padding slots: they precede n_past − (W − 1)).
+// (which covers leading padding slots: they precede n_past − (W − 1)); trailing padding slots lie after every row.
 static void fill_encoder_mask(float *mask, dg_attn_span span, int base, int n_past, int n, int window, bool sliding) {
     for (int t = 0; t < n; t++) {
         const int p = n_past + t;
@@ -229,7 +250,7 @@ static bool encode_chunk(dg_context *c, const int32_t *ids, int n, char *err, si
         if (!m->layers[il].sliding && full_layer < 0) full_layer = il;
     }
     struct ggml_tensor *mask[2] = {NULL, NULL};  // [full, sliding]
-    dg_attn_span spans[2] = {{0, 0, 0}, {0, 0, 0}};
+    dg_attn_span spans[2] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
     for (int kind = 0; kind < 2; kind++) {
         int il = kind ? sliding_layer : full_layer;
         if (il < 0) continue;
@@ -261,6 +282,7 @@ static bool encode_chunk(dg_context *c, const int32_t *ids, int n, char *err, si
                 fill_encoder_mask(mask[kind]->data, spans[kind], kind == 1 ? c->swa_base : 0, c->n_past, n,
                                   m->hp.sliding_window, kind == 1);
             }
+            clear_tail_slots(c, c->n_past, n);
             ok = compute(c, gf, err, err_len);
         } else {
             dg_set_err(err, err_len, "out of memory");
@@ -328,16 +350,16 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
     }
     struct ggml_tensor *x = ggml_rms_norm(ctx, e, m->hp.rms_eps);  // weight-less post_norm
 
-    g->mask = NULL;
-    g->sliding_span = (dg_attn_span){0, 0, 0};
     for (int il = 0; il < m->hp.n_layer; il++) {
         const dg_attn_span span = span_for(c, il, c->n_past, n);
-        if (span.padding > 0 && !g->mask) {  // the decoder has no mask except to hide padding slots
-            g->mask = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, span.len, n);
-            ggml_set_input(g->mask);
-            g->sliding_span = span;
+        const int kind = m->layers[il].sliding;
+        const bool padded = span.padding > 0 || span.tail > 0;
+        if (padded && !g->mask[kind]) {  // the decoder has no mask except to hide padding slots
+            g->mask[kind] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, span.len, n);
+            ggml_set_input(g->mask[kind]);
+            g->span[kind] = span;
         }
-        x = dg_build_layer(ctx, g->gf, m, c, il, x, g->pos, span.padding > 0 ? g->mask : NULL,
+        x = dg_build_layer(ctx, g->gf, m, c, il, x, g->pos, padded ? g->mask[kind] : NULL,
                            slot_of(c, il, c->n_past), span, false, false);
     }
     x = dg_build_rmsw(ctx, m, x, m->output_norm);
@@ -551,13 +573,18 @@ static float *step_impl(dg_context *c, const int32_t *ids, int n, int use_self_c
     ggml_backend_tensor_set(g->pos, pos, 0, ggml_nbytes(g->pos));
     free(pos);
     if (sc) memcpy(&g->sc_softmax->op_params[0], &inv_temp, sizeof(float));  // soft_max_ext's params: scale, bias
-    if (g->mask) {
-        float *mask = g->mask->data;
-        const dg_attn_span span = g->sliding_span;
+    for (int kind = 0; kind < 2; kind++) {
+        if (!g->mask[kind]) continue;
+        float *mask = g->mask[kind]->data;
+        const dg_attn_span span = g->span[kind];
         for (int t = 0; t < n; t++) {
-            for (int j = 0; j < span.len; j++) mask[(size_t)t * span.len + j] = j < span.padding ? -INFINITY : 0.0f;
+            for (int j = 0; j < span.len; j++) {
+                const bool pad = j < span.padding || j >= span.len - span.tail;
+                mask[(size_t)t * span.len + j] = pad ? -INFINITY : 0.0f;
+            }
         }
     }
+    clear_tail_slots(c, c->n_past, n);
     if (!(profile ? compute_profiled(c, g->gf, profile, err, err_len) : compute(c, g->gf, err, err_len))) return NULL;
     c->last = out;
     c->last_rows = n;

@@ -83,6 +83,7 @@ typedef struct dg_attn_span {
     int first;   // first cache slot the queries attend to
     int len;     // number of slots (context + new rows)
     int padding; // leading slots included only to round len up for ggml's GEMM; always masked out
+    int tail;    // trailing (unused, zeroed) slots doing the same where no earlier slots exist; always masked out
 } dg_attn_span;
 
 // Graph inputs and output of one decoder step variant.
@@ -90,8 +91,8 @@ typedef struct dg_step_graph {
     struct ggml_context *ctx;
     struct ggml_cgraph *gf;
     struct ggml_tensor *ids, *pos, *sc_softmax;
-    struct ggml_tensor *mask;  // sliding layers' padding mask, NULL when no padding
-    dg_attn_span sliding_span;
+    struct ggml_tensor *mask[2];  // [full, sliding] layers' padding masks, NULL when that kind has no padding
+    dg_attn_span span[2];
 } dg_step_graph;
 
 typedef struct dg_context {
