@@ -8,7 +8,7 @@ recipes/sudoku/puzzles.py with seed 20000 (training evaluates on seed 10000+, so
 generated with sampler seed i:
 
 - dgemma, adaptive stop (the released sampler, torch-RNG mode): solve rate, mean denoising steps, wall time per puzzle;
-- dgemma, a fixed 48 steps (the early stop disabled): solve rate, wall time;
+- dgemma, a fixed 48 steps (the early stop disabled; first --fixed-n puzzles): solve rate, wall time;
 - dgemma with up to --tries attempts (what `dgemma run sudoku` does: a grid that breaks a rule is retried with a new
   seed): solve rate;
 - transformers' generate() on the original checkpoint (first --hf-n puzzles, same seeds, adaptive): solve rate, mean
@@ -125,17 +125,20 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, default=REPO / "modelfiles" / "sudoku.gguf")
     ap.add_argument("--checkpoint", type=Path, default=REPO / "recipes" / "sudoku" / "checkpoint")
     ap.add_argument("--hf-n", type=int, default=None, help="puzzles per level through transformers (default: --n)")
-    ap.add_argument("--no-fixed", action="store_true", help="skip the fixed-48-steps run")
+    ap.add_argument("--fixed-n", type=int, default=None,
+                    help="puzzles per level for the fixed-48-steps run (default: --n; 0 skips it)")
     ap.add_argument("--tries", type=int, default=4, help="attempts per puzzle for the with-retries rate")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", type=Path, default=Path("/tmp/dgemma-sudoku-bench"), help="puzzle set cache")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     hf_n = args.n if args.hf_n is None else min(args.hf_n, args.n)
+    fixed_n = args.n if args.fixed_n is None else min(args.fixed_n, args.n)
 
     engine = Dgemma(args.gguf, args.threads)
     results: dict = {"gguf": str(args.gguf), "gguf_type": int(engine.model.metadata["general.file_type"]),
-                     "n": args.n, "hf_n": hf_n, "threads": args.threads, "bench_seed": BENCH_SEED, "levels": {}}
+                     "n": args.n, "hf_n": hf_n, "fixed_n": fixed_n, "threads": args.threads, "bench_seed": BENCH_SEED,
+                     "levels": {}}
     bundle = args.checkpoint / "bundle.json"
     if bundle.is_file():
         results["bundle"] = json.loads(bundle.read_text())
@@ -144,8 +147,8 @@ def main() -> None:
         cases = load_cases(level, args.n, args.cache)
         adaptive = engine.run(cases)
         row = {"adaptive": adaptive.summary(cases)}
-        if not args.no_fixed:
-            row["fixed48"] = engine.run(cases, adaptive=False).summary(cases)
+        if fixed_n > 0:
+            row["fixed48"] = engine.run(cases[:fixed_n], adaptive=False).summary(cases[:fixed_n])
         solved = with_retries(engine, cases, adaptive, args.tries)
         row[f"within_{args.tries}_tries"] = {"solved": sum(solved), "solve_rate": round(sum(solved) / len(solved), 4)}
         if hf_n > 0:
