@@ -109,8 +109,8 @@ static bool compute_profiled(dg_context *c, struct ggml_cgraph *gf, double *seco
         seconds[node->op] += dt;
         if (getenv("DGEMMA_PROFILE_NODES") && node->src[0]) {  // one line per node, for bench notes
             const struct ggml_tensor *a = node->src[0], *b = node->src[1] ? node->src[1] : node->src[0];
-            fprintf(stderr, "%s %s [%lld,%lld,%lld] x %s [%lld,%lld,%lld] -> [%lld,%lld,%lld] %.6f\n", ggml_op_desc(node),
-                    ggml_type_name(a->type), (long long)a->ne[0], (long long)a->ne[1], (long long)a->ne[2],
+            fprintf(stderr, "%s %s [%lld,%lld,%lld] x %s [%lld,%lld,%lld] -> [%lld,%lld,%lld] %.6f\n",
+                    ggml_op_desc(node), ggml_type_name(a->type), (long long)a->ne[0], (long long)a->ne[1], (long long)a->ne[2],
                     ggml_type_name(b->type), (long long)b->ne[0], (long long)b->ne[1], (long long)b->ne[2],
                     (long long)node->ne[0], (long long)node->ne[1], (long long)node->ne[2], dt);
         }
@@ -322,7 +322,7 @@ static struct ggml_tensor *soft_embedding(struct ggml_context *ctx, const dg_mod
     for (int64_t i = 1; i < NCH; i++) {  // in slice order; cheaper than transposing the partial sums for sum_rows
         sum = ggml_add(ctx, sum, ggml_view_2d(ctx, parts, H, n, parts->nb[1], (size_t)i * parts->nb[2]));
     }
-    return NCH == 1 ? ggml_cont(ctx, sum) : sum;
+    return sum;
 }
 
 static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, int out, int n) {

@@ -24,10 +24,10 @@ static void gelu_mul_op(struct ggml_tensor *dst, int ith, int nth, void *userdat
     const float two_sqrt_2_over_pi = 1.5957691216057308f;
     for (int64_t r = rows * ith / nth; r < rows * (ith + 1) / nth; r++) {
         const int64_t i1 = r % gate->ne[1], i2 = r / gate->ne[1] % gate->ne[2], i3 = r / gate->ne[1] / gate->ne[2];
-        const char *gp = (const char *)gate->data + i1 * gate->nb[1] + i2 * gate->nb[2] + i3 * gate->nb[3];
-        const char *up_row = (const char *)up->data + i1 * up->nb[1] + i2 * up->nb[2] + i3 * up->nb[3];
-        const float *g = (const float *)gp, *u = (const float *)up_row;
-        float *y = (float *)((char *)dst->data + i1 * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3]);
+#define ROW(t) ((char *)(t)->data + i1 * (t)->nb[1] + i2 * (t)->nb[2] + i3 * (t)->nb[3])
+        const float *g = (const float *)ROW(gate), *u = (const float *)ROW(up);
+        float *y = (float *)ROW(dst);
+#undef ROW
         for (int64_t i = 0; i < n; i++) {
             const float x = g[i];
             const float z = x * (x * x * 0.044715f + 1.0f) * two_sqrt_2_over_pi;
@@ -86,8 +86,8 @@ static struct ggml_tensor *build_moe(struct ggml_context *ctx, const dg_model *m
         gate = dg_build_expert_matmul(ctx, L->gate_exps, xe, idx);
         up = dg_build_expert_matmul(ctx, L->up_exps, xe, idx);
     }
-    struct ggml_tensor *act = gelu_mul(ctx, gate, up);                          // [FFe, K, T]
-    struct ggml_tensor *y = dg_build_expert_matmul(ctx, L->down_exps, act, idx);      // [H, K, T]
+    struct ggml_tensor *act = gelu_mul(ctx, gate, up);                            // [FFe, K, T]
+    struct ggml_tensor *y = dg_build_expert_matmul(ctx, L->down_exps, act, idx);  // [H, K, T]
     y = ggml_mul(ctx, y, w);
 
     struct ggml_tensor *out = ggml_view_2d(ctx, y, H, T, y->nb[2], 0);
