@@ -110,25 +110,38 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--max-minutes", type=float, default=120.0, help="stop early (and save) past this wall time")
+    ap.add_argument("--init-from", type=Path, help="continue from a saved --out folder (weights and training log; "
+                    "fresh optimizer with a short warmup, cosine from --lr over --steps more steps)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    model = DiffusionGemmaForBlockDiffusion._from_config(build_config(), attn_implementation="eager")
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = open(args.out / "train_log.jsonl", "w")
+    first_step, running = 1, None
+    if args.init_from:
+        model = DiffusionGemmaForBlockDiffusion.from_pretrained(args.init_from, dtype=torch.float32,
+                                                                attn_implementation="eager")
+        previous = [json.loads(line) for line in (args.init_from / "train_log.jsonl").read_text().splitlines()]
+        saved = [r for r in previous if "eval_medium_16" in r][-1]  # the weights are those of the last save
+        for record in previous[:previous.index(saved) + 1]:  # one continuous curve in the log
+            log.write(json.dumps(record) + "\n")
+        first_step, running = saved["step"] + 1, saved["loss"]
+    else:
+        model = DiffusionGemmaForBlockDiffusion._from_config(build_config(), attn_implementation="eager")
     model.set_experts_implementation("eager")  # the grouped expert path is ~4x slower on CPU
     model.train()
     pool = [puzzles.random_solution(rng) for _ in range(500)]
-    eval_cases = puzzles.puzzle_set("medium", 50, seed=10_000 + args.seed)  # disjoint from bench seeds
+    eval_cases = puzzles.puzzle_set("medium", 50, seed=10_000)  # disjoint from bench seeds
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup = min(200, args.steps // 10)
+    warmup = min(200, args.steps // 10) if not args.init_from else min(20, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
-    args.out.mkdir(parents=True, exist_ok=True)
-    log = open(args.out / "train_log.jsonl", "w")
-    start, running = time.time(), None
-    for step in range(1, args.steps + 1):
+    start = time.time() - 60 * (saved["minutes"] if args.init_from else 0)  # minutes continue too
+    last_step = first_step + args.steps - 1
+    for step in range(first_step, last_step + 1):
         prompts, answers = make_batch(rng, pool, args.batch)
         loss = training_step(model, prompts, answers, gen)
         opt.zero_grad(set_to_none=True)
@@ -139,7 +152,7 @@ def main() -> None:
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         minutes = (time.time() - start) / 60
         record = {"step": step, "loss": round(running, 4), "minutes": round(minutes, 2)}
-        if step % args.eval_every == 0 or step == args.steps or minutes > args.max_minutes:
+        if step % args.eval_every == 0 or step == last_step or minutes > args.max_minutes:
             record["eval_medium_16"] = evaluate(model, eval_cases, 16, seed=step)
             save(model, args.out)
         if step % 50 == 0 or "eval_medium_16" in record:
