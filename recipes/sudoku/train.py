@@ -136,7 +136,7 @@ def main() -> None:
     pool = [puzzles.random_solution(rng) for _ in range(500)]
     eval_cases = puzzles.puzzle_set("medium", 50, seed=10_000)  # disjoint from bench seeds
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup = min(200, args.steps // 10) if not args.init_from else min(20, args.steps // 10)
+    warmup = max(1, min(200 if not args.init_from else 20, args.steps // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
     start = time.time() - 60 * (saved["minutes"] if args.init_from else 0)  # minutes continue too
