@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--max-minutes", type=float, default=120.0, help="stop early (and save) past this wall time")
+    ap.add_argument("--stop-at", type=int, help="save and stop at this step (the schedule still spans --steps)")
     ap.add_argument("--init-from", type=Path, help="continue from a saved --out folder (weights and training log; "
                     "fresh optimizer with a short warmup, cosine from --lr over --steps more steps)")
     args = ap.parse_args()
@@ -152,14 +153,15 @@ def main() -> None:
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         minutes = (time.time() - start) / 60
         record = {"step": step, "loss": round(running, 4), "minutes": round(minutes, 2)}
-        if step % args.eval_every == 0 or step == last_step or minutes > args.max_minutes:
+        stop = minutes > args.max_minutes or step == args.stop_at
+        if step % args.eval_every == 0 or step == last_step or stop:
             record["eval_medium_16"] = evaluate(model, eval_cases, 16, seed=step)
             save(model, args.out)
         if step % 50 == 0 or "eval_medium_16" in record:
             print(json.dumps(record), flush=True)
             log.write(json.dumps(record) + "\n")
             log.flush()
-        if minutes > args.max_minutes:
+        if stop:
             break
     save(model, args.out)
 
