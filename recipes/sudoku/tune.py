@@ -26,7 +26,7 @@ SAMPLER_JSON = HERE / "sampler.json"
 
 # the released values first; temperatures as (t_max, t_min) pairs
 GRID = [dict(entropy_bound=eb, t_max=hi, t_min=lo, confidence_threshold=conf)
-        for eb, (hi, lo), conf in itertools.product([0.1, 0.3, 1.0], [(0.8, 0.4), (0.5, 0.1)], [0.005, 0.02])]
+        for eb, (hi, lo), conf in itertools.product([0.1, 0.3, 1.0], [(0.8, 0.4), (0.5, 0.1)], [0.005, 0.05])]
 
 
 def evaluate(model, tokenizer, ctx, cases, settings: dict) -> dict:
