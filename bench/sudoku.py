@@ -7,10 +7,11 @@ For each difficulty (easy 36-45 clues, medium 30-35, hard 24-29), N unique-solut
 recipes/sudoku/puzzles.py with seed 20000 (training evaluates on seed 10000+, so the sets are disjoint), puzzle i
 generated with sampler seed i:
 
-- dgemma, adaptive stop (the released sampler, torch-RNG mode): solve rate, mean denoising steps, wall time per puzzle;
+- dgemma, adaptive stop (the GGUF's sampler settings, torch-RNG mode): solve rate, mean denoising steps, wall time
+  per puzzle;
 - dgemma, a fixed 48 steps (the early stop disabled; first --fixed-n puzzles): solve rate, wall time;
-- dgemma with up to --tries attempts (first --tries-n puzzles) (what `dgemma run sudoku` does: a grid that breaks a rule is retried with a new
-  seed): solve rate;
+- dgemma with up to --tries attempts (what `dgemma run sudoku` does: a grid that breaks a rule is retried with a new
+  seed; first --tries-n puzzles): solve rate;
 - transformers' generate() on the original checkpoint (first --hf-n puzzles, same seeds, adaptive): solve rate, mean
   steps, wall time, and the agreement with dgemma puzzle by puzzle (identical grid; identical step count).
 
