@@ -113,10 +113,10 @@ def test_shipped_gguf_is_the_bundled_checkpoint():
     assert hashlib.sha256(GGUF.read_bytes()).hexdigest() == bundle["gguf_sha256"], "re-run recipes/sudoku/bundle.py"
     assert hashlib.sha256((CHECKPOINT / "model.safetensors").read_bytes()).hexdigest() == bundle["checkpoint_sha256"]
     config = json.loads((CHECKPOINT / "config.json").read_text())
-    assert GGUF.stat().st_size < 5 << 20  # "a few MB"
+    assert GGUF.stat().st_size < 8 << 20  # "a few MB"
     with Model.load(str(GGUF), threads=1) as model:
         assert model.metadata["general.name"] == sudoku.MODEL_GENERAL_NAME
-        assert model.metadata["general.file_type"] == 1  # MOSTLY_F16
+        assert model.metadata["general.file_type"] == 0  # ALL_F32: the f16-exact checkpoint weights, computed in f32
         assert model.hparams.canvas_length == 81
         # every embedding row kept: dgemma draws random canvas tokens over the same ids as transformers
         assert model.hparams.n_vocab == config["text_config"]["vocab_size"] == vocab.VOCAB_SIZE + 3

@@ -45,26 +45,27 @@ def differing(answers: list[sudoku.Solution]) -> list[tuple[str, int]]:
             if (ours.grid, ours.steps) != (case["grid"], case["steps"])]
 
 
-def test_f32_conversion_agrees_with_transformers(tmp_path):
-    """The committed checkpoint converted to f32: the same weights and fp32 compute on both sides. The random numbers
-    are identical, but the two forwards still differ by ~1e-6 (summation order), and over 48 steps of sampling a
-    near-tie in a categorical draw can flip and send a generation elsewhere (shared/spec/model.md §f). Measured:
-    12/12 identical at training step 250, 11/12 at step 750 (one hard puzzle, 4 cells apart after 48 steps). At least
-    10 of the 12 must give the same grid after the same number of steps, and the solved set must match."""
-    from dgemma_convert import convert
-
-    gguf = tmp_path / "sudoku-f32.gguf"
-    convert(CHECKPOINT, gguf, "f32", threads=1)
-    answers = solve_all(gguf)
+def test_shipped_gguf_agrees_with_transformers():
+    """The shipped file is f32 holding the checkpoint's (f16-exact) weights: the same weights and fp32 compute on both
+    sides. The random numbers are identical, but the two forwards still differ by ~1e-6 (summation order), and over
+    48 steps of sampling a near-tie in a categorical draw can flip and send a generation elsewhere (shared/spec/
+    model.md §f). Measured: 12/12 identical at training step 250, 11/12 at step 750 (one hard puzzle, 4 cells apart
+    after 48 steps). At least 10 of the 12 must give the same grid after the same number of steps, and the solved set
+    must match."""
+    answers = solve_all(GGUF)
     assert len(differing(answers)) <= 2, f"dgemma (f32) differs from transformers on {differing(answers)}"
     assert [sudoku.is_solution(c["puzzle"], a.grid) for c, a in zip(GOLDENS["cases"], answers)] == \
         [c["solved"] for c in GOLDENS["cases"]]
 
 
-def test_shipped_f16_gguf_agrees_puzzle_by_puzzle():
-    """The shipped f16 file holds the checkpoint's (f16) weights exactly, but ggml's CPU f16 matrix products also round
-    the activations to f16 (relative 5e-4), so near-ties flip a little more often than in f32. Measured: 11/12
-    identical at training step 250, 10/12 at step 750, 16/20 on the bench's easy set (q8_0: 1/12 and 0/12). Flips
-    depend on the CPU's SIMD summation order, hence the margin: at least 8 of the 12 must agree."""
-    bad = differing(solve_all(GGUF))
-    assert len(bad) <= 4, f"dgemma (shipped f16) differs from transformers on {bad}"
+def test_f16_conversion_agrees_puzzle_by_puzzle(tmp_path):
+    """An f16 conversion holds the same weights exactly, but ggml's CPU f16 matrix products also round the activations
+    to f16 (relative 5e-4), so near-ties flip a little more often than in f32. Measured: 11/12 identical at training
+    step 250, 10/12 at step 750, 16/20 on the bench's easy set (q8_0: 1/12 and 0/12). Flips depend on the CPU's SIMD
+    summation order, hence the margin: at least 8 of the 12 must agree."""
+    from dgemma_convert import convert
+
+    gguf = tmp_path / "sudoku-f16.gguf"
+    convert(CHECKPOINT, gguf, "f16", threads=1)
+    bad = differing(solve_all(gguf))
+    assert len(bad) <= 4, f"dgemma (f16) differs from transformers on {bad}"
