@@ -1,6 +1,6 @@
 """Bundle a trained Sudoku checkpoint as the model dgemma ships: HF checkpoint -> `dgemma convert` -> GGUF.
 
-    python recipes/sudoku/bundle.py --checkpoint /work/sudoku-run/hf
+    python recipes/sudoku/bundle.py --checkpoint /work/sudoku-run2/hf-anneal
 
 1. Export `recipes/sudoku/checkpoint/` (committed): the weights rounded to float16, config, generation config,
    tokenizer files and the training log. This is "the bundled checkpoint": the goldens
