@@ -94,15 +94,19 @@ def generation_config(source: Path) -> dict:
     gen = json.loads((source / "generation_config.json").read_text())
     tuned = HERE / "sampler.json"
     if tuned.is_file():
-        settings = json.loads(tuned.read_text())["settings"]
-        for name, value in settings.items():
+        for name, value in json.loads(tuned.read_text())["settings"].items():
             if name == "entropy_bound":
                 gen["sampler_config"]["entropy_bound"] = value
-            elif name == "max_steps":
-                gen["max_denoising_steps"] = value
-            else:
+            else:  # t_min, t_max, confidence_threshold: top-level fields of the same name
                 gen[name] = value
     return gen
+
+
+def sampler_settings(gen: dict) -> dict:
+    """The sampler values of a generation_config.json, named as dgemma's SamplerParams (and train.generation_config)."""
+    return {"max_steps": gen["max_denoising_steps"], "t_min": gen["t_min"], "t_max": gen["t_max"],
+            "entropy_bound": gen["sampler_config"]["entropy_bound"],
+            "confidence_threshold": gen["confidence_threshold"], "stability_threshold": gen["stability_threshold"]}
 
 
 def write_tokenizer(out: Path, vocab_size: int) -> None:
@@ -165,10 +169,7 @@ def main() -> None:
         "checkpoint_sha256": sha256(args.out_checkpoint / "model.safetensors"),
         "gguf": args.out_gguf.name, "gguf_type": args.outtype, "gguf_sha256": sha256(args.out_gguf),
         "gguf_bytes": args.out_gguf.stat().st_size, **info,
-        "sampler": {"max_steps": gen["max_denoising_steps"], "t_min": gen["t_min"], "t_max": gen["t_max"],
-                    "entropy_bound": gen["sampler_config"]["entropy_bound"],
-                    "confidence_threshold": gen["confidence_threshold"],
-                    "stability_threshold": gen["stability_threshold"]},
+        "sampler": sampler_settings(gen),
     }
     if args.out_checkpoint.resolve() == CHECKPOINT_DIR.resolve() and args.out_gguf.resolve() == GGUF_PATH.resolve():
         (args.out_checkpoint / "bundle.json").write_text(json.dumps(provenance, indent=2) + "\n")

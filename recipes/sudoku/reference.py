@@ -16,6 +16,7 @@ import torch
 from transformers import DiffusionGemmaForBlockDiffusion
 
 sys.path.insert(0, str(Path(__file__).parent))
+import bundle
 import train
 import vocab
 
@@ -55,10 +56,7 @@ def load(checkpoint: Path, threads: int = 1) -> DiffusionGemmaForBlockDiffusion:
 def sampler_settings(checkpoint: Path) -> dict:
     """The sampler values in the checkpoint's generation_config.json (bundle.py writes tune.py's choice there);
     the converter carries the same values into the GGUF, so dgemma and transformers sample alike."""
-    gen = json.loads((checkpoint / "generation_config.json").read_text())
-    return {"max_steps": gen["max_denoising_steps"], "t_min": gen["t_min"], "t_max": gen["t_max"],
-            "entropy_bound": gen["sampler_config"]["entropy_bound"],
-            "confidence_threshold": gen["confidence_threshold"], "stability_threshold": gen["stability_threshold"]}
+    return bundle.sampler_settings(json.loads((checkpoint / "generation_config.json").read_text()))
 
 
 @torch.no_grad()

@@ -1,6 +1,7 @@
 // ggml matmul microbenchmark (bench/step.py): the rate ggml itself reaches on one weight shape and type, to judge
 // how close a whole decoder step comes to it.
 #define _POSIX_C_SOURCE 200809L  // clock_gettime under -std=c11
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -92,4 +93,52 @@ done:
     ggml_backend_free(backend);
     ggml_free(ctx);
     return best;
+}
+
+// Test hook: the engine's tiled F32 expert matmul (isa 1 = AVX2, 2 = AVX-512) against ggml_mul_mat_id on the same
+// random data (w [kd, n, n_expert], x [kd, x1, t], n_used distinct experts per token). Returns max |Δ| / max |y|
+// (relative to the output's scale); -1 for invalid arguments or no memory, -2 when this CPU lacks that instruction set.
+DG_API double dg_check_expert_matmul(int64_t kd, int64_t n, int n_expert, int n_used, int64_t t, int x1, int n_threads,
+                                     uint64_t seed, int isa) {
+    if (kd < 1 || n < 1 || t < 1 || n_expert < 1 || n_used < 1 || n_used > n_expert || (x1 != 1 && x1 != n_used) ||
+        isa < 1 || isa > 2)
+        return -1;
+    if (dg_expert_matmul_isa() < isa) return -2;
+    struct ggml_init_params ip = {ggml_tensor_overhead() * 8 + ggml_graph_overhead(), NULL, true};
+    struct ggml_context *ctx = ggml_init(ip);
+    ggml_backend_t backend = ggml_backend_cpu_init();
+    ggml_backend_buffer_t buf = NULL;
+    double result = -1;
+    if (!ctx || !backend) goto done;
+    ggml_backend_cpu_set_n_threads(backend, n_threads);
+    struct ggml_tensor *w = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, kd, n, n_expert);
+    struct ggml_tensor *x = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, kd, x1, t);
+    struct ggml_tensor *ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_used, t);
+    struct ggml_tensor *tiled = dg_build_expert_matmul_isa(ctx, w, x, ids, isa);
+    struct ggml_tensor *ref = ggml_mul_mat_id(ctx, w, x, ids);
+    if (tiled->op != GGML_OP_CUSTOM) goto done;
+    struct ggml_cgraph *gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, tiled);
+    ggml_build_forward_expand(gf, ref);
+    buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+    if (!buf) goto done;
+    for (int64_t i = 0; i < ggml_nelements(w); i++) ((float *)w->data)[i] = rand_float(&seed);
+    for (int64_t i = 0; i < ggml_nelements(x); i++) ((float *)x->data)[i] = rand_float(&seed);
+    for (int64_t r = 0; r < t; r++) {  // n_used distinct experts from a random start: uneven counts per expert
+        const int start = (int)(next_rand(&seed) % (uint64_t)n_expert);
+        for (int k = 0; k < n_used; k++) ((int32_t *)ids->data)[r * n_used + k] = (start + k) % n_expert;
+    }
+    ggml_backend_graph_compute(backend, gf);
+    double max_diff = 0, max_abs = 0;
+    for (int64_t i = 0; i < ggml_nelements(ref); i++) {
+        const double a = ((float *)tiled->data)[i], b = ((float *)ref->data)[i];
+        max_diff = a != a ? INFINITY : fmax(max_diff, fabs(a - b));
+        max_abs = fmax(max_abs, fabs(b));
+    }
+    result = max_abs > 0 ? max_diff / max_abs : max_diff;
+done:
+    if (buf) ggml_backend_buffer_free(buf);
+    if (backend) ggml_backend_free(backend);
+    if (ctx) ggml_free(ctx);
+    return result;
 }

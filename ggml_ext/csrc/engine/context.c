@@ -181,7 +181,7 @@ static dg_attn_span span_for(const dg_context *c, int il, int n_past, int n_new)
 }
 
 // Trailing padding slots hold no K/V yet: zero them, since a masked score is added to whatever K gives there and a
-// zero probability times a NaN in V would still be NaN. A few slots per layer, before each graph run.
+// zero probability times a NaN in V would still be NaN. A few slots per layer, before a graph that reads them runs.
 static void clear_tail_slots(dg_context *c, int n_past, int n_new) {
     for (int il = 0; il < c->model->hp.n_layer; il++) {
         const dg_attn_span s = span_for(c, il, n_past, n_new);
@@ -350,6 +350,7 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
     }
     struct ggml_tensor *x = ggml_rms_norm(ctx, e, m->hp.rms_eps);  // weight-less post_norm
 
+    clear_tail_slots(c, c->n_past, n);  // nothing writes them while this graph lives: steps keep n_past
     for (int il = 0; il < m->hp.n_layer; il++) {
         const dg_attn_span span = span_for(c, il, c->n_past, n);
         const int kind = m->layers[il].sliding;
@@ -584,7 +585,6 @@ static float *step_impl(dg_context *c, const int32_t *ids, int n, int use_self_c
             }
         }
     }
-    clear_tail_slots(c, c->n_past, n);
     if (!(profile ? compute_profiled(c, g->gf, profile, err, err_len) : compute(c, g->gf, err, err_len))) return NULL;
     c->last = out;
     c->last_rows = n;

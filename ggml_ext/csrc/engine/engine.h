@@ -140,5 +140,9 @@ struct ggml_tensor *dg_build_gated_mlp(struct ggml_context *ctx, struct ggml_ten
 // expert_matmul.c: ggml_mul_mat_id, with a register-tiled custom op for F32 weights on x86 (AVX2 / AVX-512)
 struct ggml_tensor *dg_build_expert_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
                                            struct ggml_tensor *ids);
+// the same with a given instruction set (0 none = ggml's op, 1 AVX2, 2 AVX-512), and the best this CPU has
+struct ggml_tensor *dg_build_expert_matmul_isa(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
+                                               struct ggml_tensor *ids, int isa);
+int dg_expert_matmul_isa(void);
 
 void dg_set_err(char *err, size_t err_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

@@ -9,7 +9,6 @@
 //
 // Semantics equal ggml_mul_mat_id(w, x, ids): w [Kd, N, E], x [Kd, X1, T] with X1 = 1 (broadcast) or ids->ne[0],
 // ids [K, T] I32 → y [N, K, T], y[:, k, t] = w[:, :, ids[k, t]]ᵀ · x[:, k % X1, t]. Only the summation order differs.
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -139,29 +138,25 @@ static void expert_matmul_op(struct ggml_tensor *dst, int ith, int nth, void *us
     const int64_t n1 = tiles * (ith + 1) / nth * 4 < N ? tiles * (ith + 1) / nth * 4 : N;
     if (n0 >= n1) return;
 
-    // bucket the (k, t) pairs by expert: counting sort, same order on every thread
+    // bucket the (k, t) pairs by expert (counting sort; every thread builds the same lists): the rows of expert e are
+    // [start[e], start[e + 1]) in xs / ys. One small allocation per call and thread (KiBs).
     const int64_t pairs = K * T;
-    int64_t *start = calloc((size_t)E + 1, sizeof(int64_t));
-    const float **xs = malloc(sizeof(*xs) * (size_t)pairs);
-    float **ys = malloc(sizeof(*ys) * (size_t)pairs);
-    if (!start || !xs || !ys) abort();  // a few KiB: the process is out of memory anyway
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t k = 0; k < K; k++) {
-            const int32_t e = *(const int32_t *)((const char *)ids->data + k * ids->nb[0] + t * ids->nb[1]);
-            if (e >= 0 && e < E) start[e + 1]++;
-        }
+    void *block = malloc(sizeof(int64_t) * (size_t)(E + 1) + (sizeof(float *) + sizeof(float *)) * (size_t)pairs);
+    if (!block) abort();  // a custom op cannot report failure; out of memory for a few KiB the process is lost anyway
+    int64_t *start = block;
+    const float **xs = (const float **)(start + E + 1);
+    float **ys = (float **)(xs + pairs);
+    memset(start, 0, sizeof(int64_t) * (size_t)(E + 1));
+    const int32_t *expert_of = ids->data;  // ids is contiguous [K, T] (top_k output)
+    for (int64_t p = 0; p < pairs; p++) start[expert_of[p] + 1]++;
     for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
-    int64_t *fill = malloc(sizeof(int64_t) * (size_t)E);
-    if (!fill) abort();
-    memcpy(fill, start, sizeof(int64_t) * (size_t)E);
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t k = 0; k < K; k++) {
-            const int32_t e = *(const int32_t *)((const char *)ids->data + k * ids->nb[0] + t * ids->nb[1]);
-            if (e < 0 || e >= E) continue;
-            const int64_t p = fill[e]++;
-            xs[p] = (const float *)((const char *)x->data + (k % X1) * x->nb[1] + t * x->nb[2]);
-            ys[p] = (float *)((char *)dst->data + k * dst->nb[1] + t * dst->nb[2]);
-        }
+    for (int64_t p = 0; p < pairs; p++) {  // start[e] advances to the end of e's rows ...
+        const int64_t k = p % K, t = p / K, slot = start[expert_of[p]]++;
+        xs[slot] = (const float *)((const char *)x->data + (k % X1) * x->nb[1] + t * x->nb[2]);
+        ys[slot] = (float *)((char *)dst->data + k * dst->nb[1] + t * dst->nb[2]);
+    }
+    memmove(start + 1, start, sizeof(int64_t) * (size_t)E);  // ... so shifting by one restores the starts
+    start[0] = 0;
 
     const cpu_isa isa = (cpu_isa)(intptr_t)userdata;
     for (int64_t e = 0; e < E; e++) {
@@ -176,82 +171,23 @@ static void expert_matmul_op(struct ggml_tensor *dst, int ith, int nth, void *us
         (void)isa;
 #endif
     }
-    free(fill);
-    free(ys);
-    free(xs);
-    free(start);
+    free(block);
 }
 
-static cpu_isa best_isa(void) {
-    static int isa = -1;  // a benign race: every thread computes the same value
-    if (isa < 0) isa = (int)detect_isa();
-    return (cpu_isa)isa;
-}
-
-static struct ggml_tensor *build_with_isa(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
-                                          struct ggml_tensor *ids, cpu_isa isa) {
+struct ggml_tensor *dg_build_expert_matmul_isa(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
+                                               struct ggml_tensor *ids, int isa) {
     const bool tiled = isa != ISA_NONE && w->type == GGML_TYPE_F32 && x->type == GGML_TYPE_F32 &&
-                       w->nb[0] == sizeof(float) && x->nb[0] == sizeof(float) && ids->type == GGML_TYPE_I32;
+                       w->nb[0] == sizeof(float) && x->nb[0] == sizeof(float) && ids->type == GGML_TYPE_I32 &&
+                       ggml_is_contiguous(ids);
     if (!tiled) return ggml_mul_mat_id(ctx, w, x, ids);
     struct ggml_tensor *args[3] = {w, x, ids};
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], ids->ne[0], ids->ne[1], 1, args, 3, expert_matmul_op,
                           GGML_N_TASKS_MAX, (void *)(intptr_t)isa);
 }
 
+int dg_expert_matmul_isa(void) { return (int)detect_isa(); }
+
 struct ggml_tensor *dg_build_expert_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
                                            struct ggml_tensor *ids) {
-    return build_with_isa(ctx, w, x, ids, best_isa());
-}
-
-static float lcg_uniform(uint64_t *s) {  // in [-0.5, 0.5)
-    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)(*s >> 40) / (float)(1 << 24) - 0.5f;
-}
-
-// Test hook: the tiled op (isa 1 = AVX2, 2 = AVX-512) against ggml_mul_mat_id on the same random F32 data
-// (w [kd, n, n_expert], x [kd, x1, t], n_used distinct experts per token). Returns max |Δ| / max |y| (relative to the
-// output's scale); -1 for invalid arguments, -2 when this CPU lacks that instruction set.
-DG_API double dg_check_expert_matmul(int64_t kd, int64_t n, int n_expert, int n_used, int64_t t, int x1, int n_threads,
-                                     uint64_t seed, int isa) {
-    if (kd < 1 || n < 1 || t < 1 || n_expert < 1 || n_used < 1 || n_used > n_expert || (x1 != 1 && x1 != n_used) ||
-        isa < 1 || isa > 2)
-        return -1;
-    if ((int)best_isa() < isa) return -2;
-    struct ggml_init_params ip = {ggml_tensor_overhead() * 8 + ggml_graph_overhead(), NULL, true};
-    struct ggml_context *ctx = ggml_init(ip);
-    ggml_backend_t backend = ggml_backend_cpu_init();
-    if (!ctx || !backend) return -1;
-    ggml_backend_cpu_set_n_threads(backend, n_threads);
-    struct ggml_tensor *w = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, kd, n, n_expert);
-    struct ggml_tensor *x = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, kd, x1, t);
-    struct ggml_tensor *ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_used, t);
-    struct ggml_tensor *tiled = build_with_isa(ctx, w, x, ids, (cpu_isa)isa);
-    struct ggml_tensor *ref = ggml_mul_mat_id(ctx, w, x, ids);
-    double result = -1;
-    if (tiled->op != GGML_OP_CUSTOM) goto done;
-    struct ggml_cgraph *gf = ggml_new_graph(ctx);
-    ggml_build_forward_expand(gf, tiled);
-    ggml_build_forward_expand(gf, ref);
-    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
-    if (!buf) goto done;
-    uint64_t s = seed;
-    for (int64_t i = 0; i < ggml_nelements(w); i++) ((float *)w->data)[i] = lcg_uniform(&s);
-    for (int64_t i = 0; i < ggml_nelements(x); i++) ((float *)x->data)[i] = lcg_uniform(&s);
-    for (int64_t r = 0; r < t; r++) {  // n_used distinct experts from a random start: uneven counts per expert
-        const int start = (int)((lcg_uniform(&s) + 0.5f) * (float)n_expert) % n_expert;
-        for (int k = 0; k < n_used; k++) ((int32_t *)ids->data)[r * n_used + k] = (start + k) % n_expert;
-    }
-    ggml_backend_graph_compute(backend, gf);
-    double max_diff = 0, max_abs = 0;
-    for (int64_t i = 0; i < ggml_nelements(ref); i++) {
-        const double a = ((float *)tiled->data)[i], b = ((float *)ref->data)[i];
-        if (fabs(a - b) > max_diff || a != a) max_diff = a != a ? INFINITY : fabs(a - b);
-        if (fabs(b) > max_abs) max_abs = fabs(b);
-    }
-    result = max_abs > 0 ? max_diff / max_abs : max_diff;
-    ggml_backend_buffer_free(buf);
-done:
-    ggml_backend_free(backend);
-    ggml_free(ctx);
-    return result;
+    return dg_build_expert_matmul_isa(ctx, w, x, ids, dg_expert_matmul_isa());
 }
