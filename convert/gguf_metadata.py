@@ -6,11 +6,15 @@ from typing import Any, Sequence
 
 from gguf import GGML_QUANT_VERSION, GGUFValueType as V, size_label as gguf_size_label
 
-from dgemma_convert.hf_config import ModelConfig, SamplerDefaults
+from dgemma_convert.hf_config import ModelConfig, SamplerValues
 from dgemma_convert.tensor_map import TensorSpec
 from dgemma_convert.tokenizer_meta import TOKENIZER_MODEL, TokenizerMeta
+from dgemma_engine.settings import SAMPLER_SETTINGS, SamplerSetting
 
 ARCH = "diffusion-gemma"
+# The order of the sampler keys in the files dgemma has always written (conversions stay byte-identical); a setting
+# not listed here follows them.
+SAMPLER_KEY_ORDER = ("max_steps", "t_min", "t_max", "entropy_bound", "stability_threshold", "confidence_threshold")
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ def size_label(specs: Sequence[TensorSpec]) -> str:
     return gguf_size_label(total, shared, expert, count)
 
 
-def build_metadata(cfg: ModelConfig, sampler: SamplerDefaults, tok: TokenizerMeta, *, name: str, file_type: int,
+def build_metadata(cfg: ModelConfig, sampler: SamplerValues, tok: TokenizerMeta, *, name: str, file_type: int,
                    specs: Sequence[TensorSpec]) -> list[KeyValue]:
     a = ARCH
     kv = [
@@ -74,15 +78,20 @@ def build_metadata(cfg: ModelConfig, sampler: SamplerDefaults, tok: TokenizerMet
         KeyValue(f"{a}.rope.dimension_count_swa", cfg.head_dim_sliding, V.UINT32),
         KeyValue(f"{a}.final_logit_softcapping", cfg.logit_softcap, V.FLOAT32),
         KeyValue("diffusion.canvas_length", cfg.canvas_length, V.UINT32),
-        KeyValue("diffusion.eb_max_steps", sampler.max_steps, V.UINT32),
-        KeyValue("diffusion.eb_t_min", sampler.t_min, V.FLOAT32),
-        KeyValue("diffusion.eb_t_max", sampler.t_max, V.FLOAT32),
-        KeyValue("diffusion.eb_entropy_bound", sampler.entropy_bound, V.FLOAT32),
-        KeyValue("diffusion.eb_stability_threshold", sampler.stability_threshold, V.UINT32),
-        KeyValue("diffusion.eb_confidence_threshold", sampler.confidence_threshold, V.FLOAT32),
     ]
+    kv += sampler_metadata(sampler)
     kv += tokenizer_metadata(tok)
     return kv
+
+
+def sampler_metadata(sampler: SamplerValues) -> list[KeyValue]:
+    """One `diffusion.eb_*` key per SAMPLER_SETTINGS row: uint32 for integers, float32 otherwise."""
+    def position(setting: SamplerSetting) -> int:
+        known = setting.field in SAMPLER_KEY_ORDER
+        return SAMPLER_KEY_ORDER.index(setting.field) if known else len(SAMPLER_KEY_ORDER)
+
+    return [KeyValue(s.gguf_key, sampler[s.field], V.UINT32 if s.type is int else V.FLOAT32)
+            for s in sorted(SAMPLER_SETTINGS, key=position)]
 
 
 def tokenizer_metadata(tok: TokenizerMeta) -> list[KeyValue]:

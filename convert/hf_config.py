@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dgemma_convert.errors import ConvertError
+from dgemma_engine.settings import SAMPLER_SETTINGS, released_defaults
 
 MODEL_TYPE = "diffusion_gemma"
 TEXT_MODEL_TYPE = "diffusion_gemma_text"
@@ -80,16 +81,8 @@ class ModelConfig:
         return int(math.floor(self.partial_rotary_full * self.head_dim_full / 2))
 
 
-@dataclass(frozen=True)
-class SamplerDefaults:
-    """Entropy-bound sampler settings (generation_config.json); defaults are transformers' for unset fields."""
-
-    max_steps: int = 48
-    t_min: float = 0.4
-    t_max: float = 0.8
-    entropy_bound: float = 0.1
-    stability_threshold: int = 1
-    confidence_threshold: float = 0.005
+# Sampler settings by SamplerParams field name (dgemma_engine.settings), as read from generation_config.json.
+SamplerValues = dict[str, int | float]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -306,33 +299,36 @@ def _rope_of(rope: dict[str, Any], layer_type: str, where: str) -> tuple[float, 
 # generation_config.json
 
 
-def load_sampler_defaults(hf_dir: Path) -> SamplerDefaults:
+def load_sampler_defaults(hf_dir: Path) -> SamplerValues:
     """Sampler settings for the `diffusion.eb_*` keys; a missing file or null field means transformers' default."""
     path = hf_dir / "generation_config.json"
     if not path.exists():
-        return SamplerDefaults()
+        return released_defaults()
     return parse_sampler_defaults(read_json(path, "generation_config.json"))
 
 
-def parse_sampler_defaults(gen: dict[str, Any]) -> SamplerDefaults:
+def parse_sampler_defaults(gen: dict[str, Any]) -> SamplerValues:
+    """Each SAMPLER_SETTINGS row read from its `hf_key`, checked as transformers checks the file."""
     where = "generation_config.json"
-    base = SamplerDefaults()
     sampler = gen.get("sampler_config") or {}
     if not isinstance(sampler, dict):
         raise ConvertError(f"{where}: 'sampler_config' must be an object")
     cls = sampler.get("_cls_name", "EntropyBoundSamplerConfig")
     if cls != "EntropyBoundSamplerConfig":
         raise ConvertError(f"{where}: unsupported sampler {cls!r} (expected 'EntropyBoundSamplerConfig')")
-    result = SamplerDefaults(
-        max_steps=_int(gen, "max_denoising_steps", where, base.max_steps),
-        t_min=_float(gen, "t_min", where, base.t_min),
-        t_max=_float(gen, "t_max", where, base.t_max),
-        entropy_bound=_float(sampler, "entropy_bound", f"{where} sampler_config", base.entropy_bound),
-        stability_threshold=_int(gen, "stability_threshold", where, base.stability_threshold, minimum=0),
-        confidence_threshold=_float(gen, "confidence_threshold", where, base.confidence_threshold),
-    )
-    if not 0.0 <= result.t_min < result.t_max:
-        raise ConvertError(f"{where}: need 0 <= t_min < t_max, got t_min={result.t_min}, t_max={result.t_max}")
-    if result.entropy_bound <= 0 or result.confidence_threshold <= 0:
+    sections = {"": (gen, where), "sampler_config": (sampler, f"{where} sampler_config")}
+    result: SamplerValues = {}
+    for setting in SAMPLER_SETTINGS:
+        section, _, key = setting.hf_key.rpartition(".")
+        obj, owner = sections[section]
+        if setting.type is int:
+            minimum = setting.limits_for(reference=True).low
+            result[setting.field] = _int(obj, key, owner, setting.default, minimum=int(minimum))
+        else:
+            result[setting.field] = _float(obj, key, owner, setting.default)
+    # worded for the file's keys (a ConvertError names what to fix in generation_config.json)
+    if not 0.0 <= result["t_min"] < result["t_max"]:
+        raise ConvertError(f"{where}: need 0 <= t_min < t_max, got t_min={result['t_min']}, t_max={result['t_max']}")
+    if result["entropy_bound"] <= 0 or result["confidence_threshold"] <= 0:
         raise ConvertError(f"{where}: entropy_bound and confidence_threshold must be > 0")
     return result

@@ -310,12 +310,13 @@ def run(
     num_predict: Optional[int] = typer.Option(None, "--num-predict", help="token budget (whole canvases are denoised)"),
 ) -> None:
     """Run a model: one answer for a prompt (or piped stdin), else an interactive chat."""
-    options = {key: value for key, value in (
-        ("seed", seed), ("num_predict", num_predict), ("diffusion_steps", steps), ("diffusion_t_max", t_max),
-        ("diffusion_t_min", t_min), ("diffusion_entropy_bound", entropy_bound),
-        ("diffusion_confidence_threshold", confidence_threshold),
-        ("diffusion_stability_threshold", stability_threshold),
-    ) if value is not None}
+    from dgemma_engine.settings import options_from_fields
+
+    options = {key: value for key, value in (("seed", seed), ("num_predict", num_predict)) if value is not None}
+    options |= options_from_fields({  # each sampler flag by its setting's field name
+        "max_steps": steps, "t_max": t_max, "t_min": t_min, "entropy_bound": entropy_bound,
+        "confidence_threshold": confidence_threshold, "stability_threshold": stability_threshold,
+    })
     settings = RunSettings(model=model, options=options, think=parse_think(think), hide_thinking=hidethinking,
                            keep_alive=keepalive, verbose=verbose, visual=visual, wordwrap=not nowordwrap,
                            format=format, insecure=insecure, progress=not no_progress)

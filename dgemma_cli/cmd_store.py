@@ -29,13 +29,6 @@ from dgemma_cli.names import ModelName
 if TYPE_CHECKING:
     from dgemma_cli.client import Client
 
-# Sampler defaults when a GGUF lacks the optional diffusion.eb_* keys (spec §3.2).
-SAMPLER_FALLBACKS = {"eb_max_steps": 48, "eb_t_max": 0.8, "eb_t_min": 0.4, "eb_entropy_bound": 0.1,
-                     "eb_confidence_threshold": 0.005, "eb_stability_threshold": 1}
-PARAM_FOR_KEY = {"eb_max_steps": "diffusion_steps", "eb_t_max": "diffusion_t_max", "eb_t_min": "diffusion_t_min",
-                 "eb_entropy_bound": "diffusion_entropy_bound",
-                 "eb_confidence_threshold": "diffusion_confidence_threshold",
-                 "eb_stability_threshold": "diffusion_stability_threshold"}
 SELECTORS = ("license", "modelfile", "parameters", "system", "template")
 
 
@@ -235,12 +228,23 @@ def _typed(value_text: str) -> Any:
 
 
 def sampler_defaults(model_info: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """Effective sampler defaults: Modelfile PARAMETER > GGUF diffusion.eb_* > reference fallback."""
-    out = {}
-    for key, fallback in SAMPLER_FALLBACKS.items():
-        value = model_info.get(f"diffusion.{key}", fallback)
-        out[key] = params.get(PARAM_FOR_KEY[key], value)
-    return out
+    """Effective sampler defaults by field name: Modelfile PARAMETER > GGUF diffusion.eb_* > released default."""
+    from dgemma_engine import settings
+
+    return {s.field: params.get(s.option, model_info.get(s.gguf_key, s.default)) for s in settings.SAMPLER_SETTINGS}
+
+
+def diffusion_rows(model_info: dict[str, Any], params: dict[str, Any]) -> list[tuple[str, str]]:
+    """`show`'s Diffusion block: the canvas length, then one row per sampler setting label (settings sharing a
+    label, the temperature schedule, share a row: `0.8 → 0.4`)."""
+    from dgemma_engine import settings
+
+    values = sampler_defaults(model_info, params)
+    shown: dict[str, list[str]] = {}
+    for s in settings.SAMPLER_SETTINGS:
+        shown.setdefault(s.label, []).append(go_value(values[s.field]))
+    canvas = ("canvas length", _info_text(model_info.get("diffusion.canvas_length")))
+    return [canvas] + [(label, " → ".join(texts)) for label, texts in shown.items()]
 
 
 def _block(title: str, rows: list[tuple[str, str]]) -> list[str]:
@@ -282,15 +286,7 @@ def show_info_text(show: dict[str, Any], verbose: bool = False) -> str:
     ])
     lines += _block("Capabilities", [(c, "") for c in show.get("capabilities") or []])
     param_rows = parameter_rows(show.get("parameters"))
-    s = sampler_defaults(info, {key: _typed(text) for key, text in param_rows})
-    lines += _block("Diffusion", [
-        ("canvas length", _info_text(info.get("diffusion.canvas_length"))),
-        ("max denoising steps", go_value(s["eb_max_steps"])),
-        ("temperature schedule", f"{go_value(s['eb_t_max'])} → {go_value(s['eb_t_min'])}"),
-        ("entropy bound", go_value(s["eb_entropy_bound"])),
-        ("confidence threshold", go_value(s["eb_confidence_threshold"])),
-        ("stability threshold", go_value(s["eb_stability_threshold"])),
-    ])
+    lines += _block("Diffusion", diffusion_rows(info, {key: _typed(text) for key, text in param_rows}))
     lines += _block("Parameters", param_rows)
     lines += _block("System", _text_rows(show.get("system")))
     lines += _block("License", _text_rows(show.get("license")))

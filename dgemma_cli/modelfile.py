@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dgemma_cli.errors import DgemmaError
+from dgemma_engine import settings
+from dgemma_engine.settings import setting_for_option
 
 COMMANDS = ("from", "license", "template", "system", "adapter", "draft", "renderer", "parser", "parameter", "message",
             "requires")
@@ -25,14 +27,13 @@ ERR_COMMAND = (
 )
 ERR_ROLE = 'message role must be one of "system", "user", or "assistant"'
 
-# PARAMETER types (spec §2.2 and §3.2). `stop` is the only list.
+# PARAMETER types (spec §2.2); the sampler settings' types come from dgemma_engine.settings. `stop` is the only list.
 INT_PARAMS = {
     "num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_predict", "seed", "top_k", "repeat_last_n",
-    "num_keep", "draft_num_predict", "diffusion_steps", "diffusion_stability_threshold",
+    "num_keep", "draft_num_predict",
 }
 FLOAT_PARAMS = {
     "temperature", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
-    "diffusion_t_max", "diffusion_t_min", "diffusion_entropy_bound", "diffusion_confidence_threshold",
 }
 BOOL_PARAMS = {"use_mmap", "diffusion_progress", "diffusion_preview"}
 LIST_PARAMS = {"stop"}
@@ -219,12 +220,13 @@ def parse_commands(data: str | bytes) -> list[Command]:
 
 def parse_parameter(name: str, value: str) -> Any:
     """Type one PARAMETER value (also used by the REPL's `/set parameter`)."""
-    if name in INT_PARAMS:
+    setting = setting_for_option(name)
+    if name in INT_PARAMS or setting is not None and setting.type is int:
         try:
             return int(value, 10)
         except ValueError:
             raise ModelfileError(f"invalid int value [{value}]") from None
-    if name in FLOAT_PARAMS:
+    if name in FLOAT_PARAMS or setting is not None and setting.type is float:
         try:
             number = float(value)
         except ValueError:
@@ -247,24 +249,14 @@ def max_steps_cap() -> int:
 
 
 def check_parameter_ranges(params: dict[str, Any]) -> None:
-    """Range checks of spec §3.2, applied at create.
+    """The sampler settings' ranges (dgemma_engine.settings), applied at create to the PARAMETERs given.
 
     Message shape: `invalid value for diffusion_steps: 0 (must be between 1 and 256)`."""
-    def bad(name: str, rule: str) -> ModelfileError:
-        return ModelfileError(f"invalid value for {name}: {params[name]!r} ({rule})")
-
-    cap = max_steps_cap()
-    if "diffusion_steps" in params and not 1 <= params["diffusion_steps"] <= cap:
-        raise bad("diffusion_steps", f"must be between 1 and {cap}")
-    if "diffusion_t_min" in params and params["diffusion_t_min"] < 0:
-        raise bad("diffusion_t_min", "must be >= 0")
-    if "diffusion_t_max" in params and params["diffusion_t_max"] < params.get("diffusion_t_min", 0.0):
-        raise bad("diffusion_t_max", "must be >= diffusion_t_min")
-    for name in ("diffusion_entropy_bound", "diffusion_confidence_threshold"):
-        if name in params and params[name] <= 0:
-            raise bad(name, "must be > 0")
-    if "diffusion_stability_threshold" in params and params["diffusion_stability_threshold"] < 1:
-        raise bad("diffusion_stability_threshold", "must be >= 1")
+    values = {s.field: params[s.option] for s in settings.SAMPLER_SETTINGS if s.option in params}
+    try:
+        settings.check_values(values, max_steps_cap=max_steps_cap())
+    except settings.SettingError as exc:
+        raise ModelfileError(str(exc)) from None
 
 
 def parse_modelfile(data: str | bytes) -> Modelfile:

@@ -19,18 +19,12 @@ from dgemma_cli.errors import DgemmaError
 PROMPT = ">>> "
 CONTINUATION = "... "
 TRIPLE = '"""'
-LISTED_PARAMETERS = (
+LISTED_PARAMETERS = (  # then one row per sampler setting (listed_parameters)
     ("seed", "<int>", "Random number seed (same seed, same answer)"),
     ("num_predict", "<int>", "Max number of tokens to predict (whole canvases are denoised)"),
     ("num_ctx", "<int>", "Set the context size"),
     ("temperature", "<float>", "0 makes every step argmax; other values are ignored (use diffusion_t_*)"),
     ("stop", "<string> <string> ...", "Set the stop parameters"),
-    ("diffusion_steps", "<int>", "Max denoising steps per canvas"),
-    ("diffusion_t_max", "<float>", "Sampling temperature at the first step"),
-    ("diffusion_t_min", "<float>", "Sampling temperature at the last step"),
-    ("diffusion_entropy_bound", "<float>", "Entropy bound of the sampler"),
-    ("diffusion_confidence_threshold", "<float>", "Mean entropy below which a canvas may stop early"),
-    ("diffusion_stability_threshold", "<int>", "Unchanged steps needed to stop early"),
 )
 
 HELP = """Available Commands:
@@ -82,6 +76,13 @@ HELP_SHORTCUTS = """Available keyboard shortcuts:
   Ctrl + c            Stop the model from responding
   Ctrl + d            Exit (/bye)
 """
+
+
+def listed_parameters() -> list[tuple[str, str, str]]:
+    """`/set parameter`'s list: (name, value kind, help), the sampler settings after the general parameters."""
+    from dgemma_engine import settings
+
+    return list(LISTED_PARAMETERS) + [(s.option, f"<{s.type.__name__}>", s.help) for s in settings.SAMPLER_SETTINGS]
 
 
 def _flag_env(name: str) -> bool:
@@ -313,7 +314,7 @@ class Repl:
         from dgemma_cli.modelfile import parse_parameter
 
         if not args:
-            usage = [(f"/set parameter {name} {kind}", text) for name, kind, text in LISTED_PARAMETERS]
+            usage = [(f"/set parameter {name} {kind}", text) for name, kind, text in listed_parameters()]
             width = max(len(u) for u, _ in usage)
             self.say("Available Parameters:\n" + "\n".join(f"  {u:<{width}}    {text}" for u, text in usage))
             return

@@ -16,6 +16,7 @@ from dgemma_engine.errors import EngineError
 from dgemma_engine.generate import (CanvasEvent, SamplerParams, eos_ids_from_metadata, generate,
                                     torch_compatible_sequence)
 from dgemma_engine.model import Context, Model
+from dgemma_engine.settings import SettingError, check_values
 
 
 def run_debug_generation(model: Model, prompt_ids: Sequence[int], params: SamplerParams, max_new_tokens: int,
@@ -68,14 +69,8 @@ def debug_generate(model: str | os.PathLike, prompt_ids: list[int], seed: int = 
 
 
 def _validate(p: SamplerParams) -> None:
-    """The checks transformers' DiffusionGemmaGenerationConfig.validate makes, as one-line errors."""
-    if p.max_steps < 1:
-        raise EngineError(f"--steps must be a positive integer, got {p.max_steps}")
-    if not (0 <= p.t_min < p.t_max < float("inf")):
-        raise EngineError(f"temperatures must satisfy 0 <= t_min < t_max (got t_min {p.t_min}, t_max {p.t_max})")
-    if not p.entropy_bound > 0:
-        raise EngineError(f"--entropy-bound must be > 0, got {p.entropy_bound}")
-    if not p.confidence_threshold > 0:
-        raise EngineError(f"--confidence-threshold must be > 0, got {p.confidence_threshold}")
-    if p.stability_threshold < 0:
-        raise EngineError(f"--stability-threshold must be >= 0, got {p.stability_threshold}")
+    """transformers' ranges (DiffusionGemmaGenerationConfig.validate), in the one wording of dgemma_engine.settings."""
+    try:
+        check_values(p.setting_values(), reference=True)
+    except SettingError as exc:
+        raise EngineError(str(exc)) from None

@@ -21,64 +21,14 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
-import numpy as np
-
 from dgemma_engine.errors import EngineError
 from dgemma_engine.sampler import Sampler
+from dgemma_engine.settings import SamplerParams  # re-exported: callers import it from here
 
-# transformers' DiffusionGemmaGenerationConfig defaults = the released generation_config.json values.
-RELEASED_DEFAULTS = dict(max_steps=48, t_min=0.4, t_max=0.8, entropy_bound=0.1, confidence_threshold=0.005,
-                         stability_threshold=1)
-# GGUF key for each sampler field (written by the converter from generation_config.json; optional in a file).
-METADATA_KEYS = {
-    "max_steps": "diffusion.eb_max_steps",
-    "t_min": "diffusion.eb_t_min",
-    "t_max": "diffusion.eb_t_max",
-    "entropy_bound": "diffusion.eb_entropy_bound",
-    "confidence_threshold": "diffusion.eb_confidence_threshold",
-    "stability_threshold": "diffusion.eb_stability_threshold",
-}
 # Stop ids of the released model (<eos>, <turn|>, <|tool_response>); GGUF files do not store them (see
 # eos_ids_from_metadata).
 RELEASED_EOS_IDS = (1, 106, 50)
 RELEASED_EOS_TOKENS = ("<eos>", "<turn|>", "<|tool_response>")
-
-
-@dataclass(frozen=True)
-class SamplerParams:
-    """Entropy-bound sampler settings. seed None: a fresh random seed per generation (reported in the stats)."""
-
-    max_steps: int = 48
-    t_min: float = 0.4
-    t_max: float = 0.8
-    entropy_bound: float = 0.1
-    confidence_threshold: float = 0.005
-    stability_threshold: int = 1
-    seed: int | None = None
-    rng: str = "fast"          # "fast" (counter-based, parallel) or "torch" (transformers' CPU stream, bit for bit)
-    greedy: bool = False       # argmax instead of a categorical draw (reference recordings only)
-
-    @classmethod
-    def from_metadata(cls, metadata: dict[str, Any], **overrides: Any) -> SamplerParams:
-        """Defaults from the GGUF's `diffusion.eb_*` keys, else the released values; `overrides` (None = not given)
-        win over both. Precedence as in the PR runtime: caller > GGUF > defaults."""
-        values: dict[str, Any] = dict(RELEASED_DEFAULTS)
-        for name, key in METADATA_KEYS.items():
-            if metadata.get(key) is not None:
-                values[name] = _scalar(metadata[key])
-        unknown = set(overrides) - {f for f in cls.__dataclass_fields__}
-        if unknown:
-            raise EngineError(f"unknown sampler setting(s): {', '.join(sorted(unknown))}")
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        for name in ("max_steps", "stability_threshold"):
-            values[name] = int(values[name])
-        for name in ("t_min", "t_max", "entropy_bound", "confidence_threshold"):
-            values[name] = float(values[name])
-        return cls(**values)
-
-
-def _scalar(value: Any) -> Any:
-    return value.item() if isinstance(value, np.generic) else value
 
 
 def eos_ids_from_metadata(metadata: dict[str, Any]) -> tuple[int, ...]:

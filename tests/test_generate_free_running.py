@@ -112,7 +112,7 @@ def test_cli_prints_the_golden_sequence(gguf_path) -> None:
 def test_cli_rejects_bad_input_with_one_line(gguf_path) -> None:
     base = [sys.executable, "-m", "dgemma_cli.main", "debug", "generate", str(gguf_path("tiny-a", "f32"))]
     for extra, message in ((["--prompt-ids", "2,99999", "--rng", "torch"], "outside the vocabulary"),
-                           (["--prompt-ids", "2,3", "--t-min", "0.9"], "t_min < t_max")):
+                           (["--prompt-ids", "2,3", "--t-min", "0.9"], "must be greater than diffusion_t_min (0.9)")):
         proc = subprocess.run(base + extra, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 1 and proc.stderr.startswith("Error: ") and message in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr

@@ -100,9 +100,10 @@ def test_diffusion_parameters_are_typed_and_deprecated_ones_dropped():
 @pytest.mark.parametrize("params,message", [
     ({"diffusion_steps": 0}, "invalid value for diffusion_steps: 0 (must be between 1 and 256)"),
     ({"diffusion_steps": 257}, "invalid value for diffusion_steps: 257 (must be between 1 and 256)"),
-    ({"diffusion_t_min": 0.5, "diffusion_t_max": 0.4}, "invalid value for diffusion_t_max: 0.4 (must be >= diffusion_t_min)"),
-    ({"diffusion_entropy_bound": 0.0}, "invalid value for diffusion_entropy_bound: 0.0 (must be > 0)"),
-    ({"diffusion_stability_threshold": 0}, "invalid value for diffusion_stability_threshold: 0 (must be >= 1)"),
+    ({"diffusion_t_min": 0.5, "diffusion_t_max": 0.4},
+     "invalid value for diffusion_t_max: 0.4 (must be at least diffusion_t_min (0.5))"),
+    ({"diffusion_entropy_bound": 0.0}, "invalid value for diffusion_entropy_bound: 0 (must be greater than 0)"),
+    ({"diffusion_stability_threshold": 0}, "invalid value for diffusion_stability_threshold: 0 (must be at least 1)"),
 ])
 def test_range_checks(params, message):
     with pytest.raises(ModelfileError) as exc:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dgemma_cli.server.errors import RequestError
+from dgemma_engine import settings
+from dgemma_engine.settings import SamplerParams, setting_for_option
 
 log = logging.getLogger("dgemma.server")
 
@@ -27,21 +29,17 @@ OPTION_TYPES: dict[str, str] = {
     "top_k": _INT, "top_p": _FLOAT, "min_p": _FLOAT, "typical_p": _FLOAT, "repeat_penalty": _FLOAT,
     "repeat_last_n": _INT, "presence_penalty": _FLOAT, "frequency_penalty": _FLOAT, "num_keep": _INT,
     "draft_num_predict": _INT,
-    # diffusion (§3.2)
-    "diffusion_steps": _INT, "diffusion_t_max": _FLOAT, "diffusion_t_min": _FLOAT, "diffusion_entropy_bound": _FLOAT,
-    "diffusion_confidence_threshold": _FLOAT, "diffusion_stability_threshold": _INT,
+    # diffusion request flags; the sampler settings' own types come from dgemma_engine.settings
     "diffusion_progress": _BOOL, "diffusion_preview": _BOOL,
 }
 
-# GGUF metadata key and reference fallback per sampler option (§3.2).
-DIFFUSION_DEFAULTS: dict[str, tuple[str, float | int]] = {
-    "diffusion_steps": ("diffusion.eb_max_steps", 48),
-    "diffusion_t_max": ("diffusion.eb_t_max", 0.8),
-    "diffusion_t_min": ("diffusion.eb_t_min", 0.4),
-    "diffusion_entropy_bound": ("diffusion.eb_entropy_bound", 0.1),
-    "diffusion_confidence_threshold": ("diffusion.eb_confidence_threshold", 0.005),
-    "diffusion_stability_threshold": ("diffusion.eb_stability_threshold", 1),
-}
+
+def option_type(name: str) -> str | None:
+    """The JSON type a known option must have (None: an unknown option)."""
+    setting = setting_for_option(name)
+    if setting is not None:
+        return _INT if setting.type is int else _FLOAT
+    return OPTION_TYPES.get(name)
 
 
 def _typed(name: str, value: Any, kind: str) -> Any:
@@ -70,7 +68,7 @@ def check_options(options: dict[str, Any] | None) -> dict[str, Any]:
     """Known options typed; unknown ones dropped (logged at debug). `None` values mean absent."""
     checked: dict[str, Any] = {}
     for name, value in (options or {}).items():
-        kind = OPTION_TYPES.get(name)
+        kind = option_type(name)
         if kind is None:
             log.debug("ignoring unknown option %r", name)
             continue
@@ -81,72 +79,44 @@ def check_options(options: dict[str, Any] | None) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class SamplerSettings:
-    """Everything one generation needs from the options, validated and with model defaults filled in."""
+class SamplerSettings(SamplerParams):
+    """Everything one generation needs from the options: the engine's sampler params, validated and with model
+    defaults filled in, plus what the request does with the output."""
 
-    max_steps: int
-    t_max: float
-    t_min: float
-    entropy_bound: float
-    confidence_threshold: float
-    stability_threshold: int
-    seed: int | None  # None: fresh random seed
-    num_predict: int  # < 1: until EOS (still capped)
+    num_predict: int = -1  # < 1: until EOS (still capped)
     stop: tuple[str, ...] = ()
     progress: bool = False
     preview: bool = False
 
 
-def _metadata_default(metadata: dict, option: str) -> float | int:
-    key, fallback = DIFFUSION_DEFAULTS[option]
-    value = metadata.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return fallback
-    return type(fallback)(value)
-
-
-def _check_range(name: str, value: float, low: float | None, high: float | None, text: str) -> None:
-    if (low is not None and value < low) or (high is not None and value > high):
-        shown = value if not float(value).is_integer() or isinstance(value, int) else int(value)
-        raise RequestError(f"invalid value for {name}: {shown} ({text})")
-
-
 def precheck_sampler(options: dict[str, Any], max_steps_cap: int) -> None:
     """The range checks that do not depend on the model's defaults, run before a model is loaded for the request
     (a bad option must not cost a model load). `resolve_sampler` repeats them with the defaults filled in."""
-    explicit = {name: options[name] for name in DIFFUSION_DEFAULTS if name in options}
-    if "diffusion_t_max" not in explicit or "diffusion_t_min" not in explicit:
-        explicit.setdefault("diffusion_t_max", math.inf)  # the relation needs both values
-    reference = {key: fallback for key, fallback in DIFFUSION_DEFAULTS.values()}
-    resolve_sampler({**explicit, "temperature": options.get("temperature")}, reference, max_steps_cap)
+    explicit = {s.option: options[s.option] for s in settings.SAMPLER_SETTINGS if s.option in options}
+    for setting in settings.SAMPLER_SETTINGS:
+        if isinstance(setting.limits.low, str):  # a bound on another setting: unknown before the model's defaults
+            explicit.setdefault(setting.option, math.inf)
+    resolve_sampler({**explicit, "temperature": options.get("temperature")}, {}, max_steps_cap)
 
 
 def resolve_sampler(options: dict[str, Any], metadata: dict, max_steps_cap: int) -> SamplerSettings:
-    """Merge validated `options` over the model's diffusion defaults and check the ranges of §3.2."""
-    value = {name: options.get(name, _metadata_default(metadata, name)) for name in DIFFUSION_DEFAULTS}
-    steps = value["diffusion_steps"]
-    if "diffusion_steps" not in options:
-        steps = min(steps, max_steps_cap)
-    _check_range("diffusion_steps", steps, 1, max_steps_cap, f"must be between 1 and {max_steps_cap}")
-    t_max, t_min = value["diffusion_t_max"], value["diffusion_t_min"]
-    temperature = options.get("temperature")
-    if temperature == 0:  # §3.5: temperature 0 means argmax at every step
-        t_max = t_min = 0.0
-    _check_range("diffusion_t_min", t_min, 0, None, "must be at least 0")
-    _check_range("diffusion_t_max", t_max, t_min, None, f"must be at least diffusion_t_min ({t_min:g})")
-    for name in ("diffusion_entropy_bound", "diffusion_confidence_threshold"):
-        if not value[name] > 0:
-            raise RequestError(f"invalid value for {name}: {value[name]:g} (must be greater than 0)")
-    _check_range("diffusion_stability_threshold", value["diffusion_stability_threshold"], 1, None, "must be at least 1")
+    """Merge validated `options` over the model's diffusion defaults (GGUF, else released) and check the ranges."""
+    values = settings.defaults_from_metadata(metadata)
+    for setting in settings.SAMPLER_SETTINGS:
+        if setting.option in options:
+            values[setting.field] = options[setting.option]
+        elif setting.limits.capped:  # a model's default above the cap is clipped, not an error
+            values[setting.field] = min(values[setting.field], max_steps_cap)
+    if options.get("temperature") == 0:  # §3.5: temperature 0 means argmax at every step
+        values["t_max"] = values["t_min"] = 0.0
+    try:
+        settings.check_values(values, max_steps_cap=max_steps_cap)
+    except settings.SettingError as exc:
+        raise RequestError(str(exc)) from None
     seed = options.get("seed", -1)
     preview = bool(options.get("diffusion_preview", False))
     return SamplerSettings(
-        max_steps=int(steps),
-        t_max=float(t_max),
-        t_min=float(t_min),
-        entropy_bound=float(value["diffusion_entropy_bound"]),
-        confidence_threshold=float(value["diffusion_confidence_threshold"]),
-        stability_threshold=int(value["diffusion_stability_threshold"]),
+        **{s.field: s.type(values[s.field]) for s in settings.SAMPLER_SETTINGS},
         seed=None if seed == -1 else int(seed),
         num_predict=int(options.get("num_predict", -1)),
         stop=tuple(s for s in options.get("stop", ()) if s),

@@ -132,25 +132,15 @@ class EngineRunner:
     def generate(
         self, prompt_ids: list[int], sampler: SamplerSettings, max_new_tokens: int, cancel: threading.Event
     ) -> Iterator[Any]:
-        from dgemma_engine.generate import SamplerParams, eos_ids_from_metadata, generate
+        from dgemma_engine.generate import eos_ids_from_metadata, generate
 
-        params = SamplerParams.from_metadata(
-            self.metadata,
-            max_steps=sampler.max_steps,
-            t_min=sampler.t_min,
-            t_max=sampler.t_max,
-            entropy_bound=sampler.entropy_bound,
-            confidence_threshold=sampler.confidence_threshold,
-            stability_threshold=sampler.stability_threshold,
-            seed=sampler.seed,
-        )
         ctx = self._take_context()
         try:
             ctx.reset()
             yield from generate(
                 ctx,
                 prompt_ids,
-                params,
+                sampler,  # already resolved over the GGUF's defaults (options.resolve_sampler)
                 max_new_tokens=max_new_tokens,
                 eos_ids=eos_ids_from_metadata(self.metadata),
                 tokenizer=self.tokenizer,

@@ -1,0 +1,197 @@
+"""The diffusion sampler's settings, one row each: every name, type, default and range of a setting lives here.
+
+Everything else is derived from `SAMPLER_SETTINGS`: the converter's `diffusion.eb_*` keys, `SamplerParams` and its
+GGUF defaults, the server's `options` typing and range check, Modelfile PARAMETERs, the REPL's `/set parameter`,
+`dgemma show`, `run`'s flags and `debug generate`'s check. Adding a setting is one row here plus its use by the
+engine (a `SamplerParams` field the sampler reads); see docs/generation.md.
+
+Pure Python on purpose: the converter imports it without the native engine.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from dgemma_engine.errors import EngineError
+
+
+class SettingError(ValueError):
+    """A sampler value out of its range. The message is the user-facing text; callers raise it as their own error
+    type (a 400 in the server, an `Error:` line in the CLI)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A lower bound: a number, or the field name of another setting this one may not be below (t_max >= t_min)."""
+
+    low: float | str
+    inclusive: bool = True  # False: strictly greater than `low`
+    capped: bool = False    # also at most the server's step cap (DGEMMA_MAX_STEPS), when the caller passes one
+
+
+@dataclass(frozen=True)
+class SamplerSetting:
+    field: str              # SamplerParams attribute
+    option: str             # request option = Modelfile PARAMETER = `/set parameter` name
+    gguf_key: str           # optional GGUF key the converter writes from generation_config.json
+    hf_key: str             # key in generation_config.json ("section.key" inside a nested object)
+    type: type              # int or float
+    default: int | float    # transformers' default = the released generation_config.json value
+    label: str              # row in `dgemma show`; settings sharing a label share one row, joined by " → "
+    help: str               # one line in `/set parameter`'s list
+    limits: Limits          # dgemma's range (request options, Modelfiles; docs/server.md)
+    reference_limits: Limits | None = None  # transformers' range, where it differs (`debug generate`)
+
+    def limits_for(self, reference: bool) -> Limits:
+        return self.reference_limits if reference and self.reference_limits is not None else self.limits
+
+
+# In the order requests, `show` and `/set parameter` list them.
+SAMPLER_SETTINGS: tuple[SamplerSetting, ...] = (
+    SamplerSetting("max_steps", "diffusion_steps", "diffusion.eb_max_steps", "max_denoising_steps", int, 48,
+                   "max denoising steps", "Max denoising steps per canvas", Limits(1, capped=True)),
+    # the API accepts t_max == t_min (temperature 0 sets both to 0); transformers wants t_min < t_max
+    SamplerSetting("t_max", "diffusion_t_max", "diffusion.eb_t_max", "t_max", float, 0.8,
+                   "temperature schedule", "Sampling temperature at the first step", Limits("t_min"),
+                   Limits("t_min", inclusive=False)),
+    SamplerSetting("t_min", "diffusion_t_min", "diffusion.eb_t_min", "t_min", float, 0.4,
+                   "temperature schedule", "Sampling temperature at the last step", Limits(0)),
+    SamplerSetting("entropy_bound", "diffusion_entropy_bound", "diffusion.eb_entropy_bound",
+                   "sampler_config.entropy_bound", float, 0.1, "entropy bound", "Entropy bound of the sampler",
+                   Limits(0, inclusive=False)),
+    SamplerSetting("confidence_threshold", "diffusion_confidence_threshold", "diffusion.eb_confidence_threshold",
+                   "confidence_threshold", float, 0.005, "confidence threshold",
+                   "Mean entropy below which a canvas may stop early", Limits(0, inclusive=False)),
+    # transformers allows 0 (stop on confidence alone); the API asks for at least one unchanged step
+    SamplerSetting("stability_threshold", "diffusion_stability_threshold", "diffusion.eb_stability_threshold",
+                   "stability_threshold", int, 1, "stability threshold", "Unchanged steps needed to stop early",
+                   Limits(1), Limits(0)),
+)
+
+
+def setting_for_option(option: str) -> SamplerSetting | None:
+    return next((s for s in SAMPLER_SETTINGS if s.option == option), None)
+
+
+def setting_for_field(field: str) -> SamplerSetting:
+    return next(s for s in SAMPLER_SETTINGS if s.field == field)
+
+
+def released_defaults() -> dict[str, int | float]:
+    return {s.field: s.default for s in SAMPLER_SETTINGS}
+
+
+def defaults_from_metadata(metadata: Mapping[str, Any]) -> dict[str, int | float]:
+    """Per field: the GGUF's `diffusion.eb_*` value when it holds a number, else the released default."""
+    out: dict[str, int | float] = {}
+    for s in SAMPLER_SETTINGS:
+        value = metadata.get(s.gguf_key)
+        is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        out[s.field] = s.type(value) if is_number else s.default
+    return out
+
+
+def options_from_fields(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Request options for values given by field name (None = not given), in table order."""
+    unknown = set(values) - {s.field for s in SAMPLER_SETTINGS}
+    if unknown:
+        raise KeyError(f"not a sampler setting: {', '.join(sorted(unknown))}")
+    return {s.option: values[s.field] for s in SAMPLER_SETTINGS if values.get(s.field) is not None}
+
+
+# ---- the one range check ------------------------------------------------------------------------------------------
+
+def check_values(values: Mapping[str, float], *, max_steps_cap: int | None = None, reference: bool = False) -> None:
+    """Raise SettingError for the first value (by field name) out of range, e.g.
+    `invalid value for diffusion_t_max: 0.1 (must be at least diffusion_t_min (0.9))`.
+
+    Absent fields are not checked; a bound on an absent setting is that setting's own lowest valid value.
+    `max_steps_cap`: the upper bound of capped settings (None: no upper bound). `reference`: transformers' ranges
+    (t_min < t_max, stability 0 allowed) instead of dgemma's."""
+    for setting in _checking_order(reference):
+        if setting.field in values:
+            rule = _broken_rule(setting, values, max_steps_cap, reference)
+            if rule is not None:
+                shown = _shown(values[setting.field], setting.limits_for(reference))
+                raise SettingError(f"invalid value for {setting.option}: {shown} ({rule})")
+
+
+def _checking_order(reference: bool) -> list[SamplerSetting]:
+    """Table order, except that a setting bounded by another one is checked right after it."""
+    order: list[SamplerSetting] = []
+    for s in SAMPLER_SETTINGS:
+        if not isinstance(s.limits_for(reference).low, str):
+            order.append(s)
+            order += [d for d in SAMPLER_SETTINGS if d.limits_for(reference).low == s.field]
+    return order
+
+
+def _broken_rule(setting: SamplerSetting, values: Mapping[str, float], cap: int | None,
+                 reference: bool) -> str | None:
+    limits = setting.limits_for(reference)
+    low, bound = limits.low, None
+    if isinstance(low, str):
+        other = setting_for_field(low)
+        if low in values:
+            low, bound = values[low], f"{other.option} ({values[low]:g})"
+        else:
+            low = other.limits_for(reference).low
+            if isinstance(low, str):
+                return None
+    bound = bound or f"{low:g}"
+    value = values[setting.field]
+    too_low = value < low if limits.inclusive else not value > low
+    capped = limits.capped and cap is not None
+    if not too_low and not (capped and value > cap):
+        return None
+    if capped:
+        return f"must be between {bound} and {cap}"
+    return f"must be at least {bound}" if limits.inclusive else f"must be greater than {bound}"
+
+
+def _shown(value: float, limits: Limits) -> str:
+    """The value as the server has always printed it: `%g` against a strict bound, else whole floats as integers."""
+    if not limits.inclusive:
+        return f"{value:g}"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+# ---- the resolved settings ----------------------------------------------------------------------------------------
+
+_RELEASED = released_defaults()
+
+
+@dataclass(frozen=True)
+class SamplerParams:
+    """Entropy-bound sampler settings (one field per SAMPLER_SETTINGS row) plus how to draw. seed None: a fresh
+    random seed per generation (reported in the stats)."""
+
+    max_steps: int = _RELEASED["max_steps"]
+    t_min: float = _RELEASED["t_min"]
+    t_max: float = _RELEASED["t_max"]
+    entropy_bound: float = _RELEASED["entropy_bound"]
+    confidence_threshold: float = _RELEASED["confidence_threshold"]
+    stability_threshold: int = _RELEASED["stability_threshold"]
+    seed: int | None = None
+    rng: str = "fast"          # "fast" (counter-based, parallel) or "torch" (transformers' CPU stream, bit for bit)
+    greedy: bool = False       # argmax instead of a categorical draw (reference recordings only)
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any], **overrides: Any) -> SamplerParams:
+        """Defaults from the GGUF's `diffusion.eb_*` keys, else the released values; `overrides` (None = not given)
+        win over both. Precedence as in the PR runtime: caller > GGUF > defaults."""
+        unknown = set(overrides) - {f.name for f in fields(cls)}
+        if unknown:
+            raise EngineError(f"unknown sampler setting(s): {', '.join(sorted(unknown))}")
+        values: dict[str, Any] = defaults_from_metadata(metadata)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        for s in SAMPLER_SETTINGS:
+            values[s.field] = s.type(values[s.field])
+        return cls(**values)
+
+    def setting_values(self) -> dict[str, int | float]:
+        """The table's fields of these params, by field name (what `check_values` takes)."""
+        return {s.field: getattr(self, s.field) for s in SAMPLER_SETTINGS}
