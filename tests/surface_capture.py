@@ -149,8 +149,8 @@ def _cli(env: dict[str, str], *args: str) -> dict[str, Any]:
 
 
 def _cli_process(env: dict[str, str], *args: str) -> dict[str, Any]:
-    """`dgemma ARGS` in its own interpreter (commands that write to the process's stdout directly)."""
-    done = subprocess.run([sys.executable, "-m", "dgemma_cli.main", *args], env={**os.environ, **env},
+    """The installed `dgemma ARGS` in its own process (help shows the program's name; `run` writes to fd 1)."""
+    done = subprocess.run([str(Path(sys.executable).parent / "dgemma"), *args], env={**os.environ, **env},
                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     return {"code": done.returncode, "stdout": normalise(done.stdout), "stderr": normalise(done.stderr)}
 
@@ -164,7 +164,7 @@ def capture(work: Path, tiny_gguf: Path) -> dict[str, Any]:
     shutil.copyfile(tiny_gguf, gguf)
     result: dict[str, Any] = {"help": {}, "cli": {}, "api": {}}
     for words in HELP_COMMANDS:
-        result["help"][" ".join(words) or "dgemma"] = _cli(env, *words, "--help")
+        result["help"][" ".join(words) or "dgemma"] = _cli_process(env, *words, "--help")
 
     modelfile = work / "Modelfile"
     modelfile.write_text(f"FROM {gguf}\nPARAMETER diffusion_steps 4\nPARAMETER seed 7\nSYSTEM You are terse.\n")
