@@ -56,7 +56,7 @@ _INTEGER_KEYS = ("block_count", "context_length", "embedding_length")
 class GGUFError(DgemmaError):
     """The file is not a well-formed GGUF (message says where)."""
 
-    http_status = 400
+    status = 400
 
 
 @dataclass(frozen=True)
