@@ -34,7 +34,7 @@ class Runner(Protocol):
     def generate(
         self, prompt_ids: list[int], sampler: SamplerSettings, max_new_tokens: int, cancel: threading.Event
     ) -> Iterator[Any]:
-        """Yields the generation loop's StepEvent / CanvasEvent / DoneEvent (duck-typed by their fields)."""
+        """Yields the generation loop's StepEvent / CanvasEvent / DoneEvent (`dgemma_engine.events`)."""
         ...
 
     def close(self) -> None: ...

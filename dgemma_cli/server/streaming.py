@@ -149,6 +149,26 @@ class GuardedStreamingResponse(StreamingResponse):
             self.cleanup()
 
 
+def guarded_stream(stream: WorkerStream, frames: AsyncIterator[bytes], error_frame: Callable[[Exception], bytes],
+                   media_type: str) -> GuardedStreamingResponse:
+    """A streaming answer of `frames` from `stream`'s worker. After the first byte the status is sent, so a failure
+    becomes one last frame (`error_frame`); the worker is stopped however the body ends."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for frame in frames:
+                yield frame
+        except Exception as exc:  # noqa: BLE001  (reported in the stream itself)
+            yield error_frame(exc)
+        finally:
+            stream.stop()
+            close = getattr(frames, "aclose", None)
+            if close is not None:
+                await close()
+
+    return GuardedStreamingResponse(body(), cleanup=stream.stop, media_type=media_type)
+
+
 async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     """Await `awaitable` unless the client leaves first (polled every 250 ms): then cancel it, 499 (§7)."""
     task = asyncio.ensure_future(awaitable)
