@@ -12,6 +12,7 @@ import socket
 from collections.abc import Awaitable, Callable
 
 from dgemma_cli.server.config import ServerConfig
+from dgemma_cli.wire import ErrorResponse, OpenAIError, OpenAIErrorBody, WireModel
 
 Scope = dict
 Message = dict
@@ -107,10 +108,10 @@ def error_body(path: str, status: int, message: str) -> bytes:
     """`{"error": "..."}` natively, the OpenAI error object under `/v1` (spec §2.7)."""
     if path.startswith("/v1/"):
         kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(status, "api_error")
-        payload: dict = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+        payload: WireModel = OpenAIError(error=OpenAIErrorBody(message=message, type=kind))
     else:
-        payload = {"error": message}
-    return json.dumps(payload).encode()
+        payload = ErrorResponse(error=message)
+    return json.dumps(payload.wire()).encode()
 
 
 class SecurityMiddleware:
