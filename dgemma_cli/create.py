@@ -34,6 +34,8 @@ from dgemma_cli.store import (
     build_manifest,
     canonical_json,
 )
+from dgemma_convert.errors import ConvertError
+from dgemma_engine.errors import EngineError
 
 FAMILY = "diffusion-gemma"
 QUANTIZE_TYPES = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q5_k_m": "Q5_K_M", "q4_k_m": "Q4_K_M", "q4_0": "Q4_0"}
@@ -191,7 +193,7 @@ def _converter_step(status: str, work: Callable[[_ByteCounter], None],
             yield {"status": status, "digest": PROGRESS_DIGEST, "total": counter.total, "completed": counter.completed}
     if failure:
         exc = failure[0]
-        if isinstance(exc, DgemmaError):
+        if isinstance(exc, DgemmaError) and not isinstance(exc, ConvertError | EngineError):
             raise exc
         message = str(exc)
         for path, name in hide.items():
