@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -38,7 +36,6 @@ from dgemma_cli.store import (
 FAMILY = "diffusion-gemma"
 QUANTIZE_TYPES = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q5_k_m": "Q5_K_M", "q4_k_m": "Q4_K_M", "q4_0": "Q4_0"}
 FLOAT_FILE_TYPES = {"F32", "F16", "BF16"}
-TEMPLATE_CHECK_TIMEOUT_S = 2.0
 
 
 class CreateError(DgemmaError):
@@ -58,37 +55,19 @@ def template_format(text: str) -> str:
     return "jinja" if "{%" in text or "messages" in text else "go"
 
 
-_TEMPLATE_CHECK = r"""
-import resource, sys
-resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-def raise_exception(message):
-    raise ValueError(message)
-env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: "2026-01-01")
-messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
-try:
-    out = env.from_string(sys.stdin.read()).render(messages=messages, bos_token="<bos>", eos_token="<eos>",
-                                                   add_generation_prompt=True, tools=None)
-    if len(out) > (4 << 20):
-        raise ValueError("rendered prompt larger than 4 MiB")
-except Exception as exc:
-    print(f"{type(exc).__name__}: {exc}"[:300])
-    sys.exit(1)
-"""
+TEMPLATE_CHECK_MESSAGES = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"},
+                           {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
 
 
 def check_jinja_template(text: str) -> None:
-    """Test-render a Jinja chat template in the sandbox, in a subprocess with a time and memory limit (§4.6)."""
+    """Test-render a Jinja chat template with the renderer inference uses (same sandbox, same time and size
+    budget), so a template refused at run time for any conversation is refused here too (§4.6)."""
+    from dgemma_engine.chat import ChatTemplateError, render_chat
+
     try:
-        proc = subprocess.run([sys.executable, "-I", "-c", _TEMPLATE_CHECK], input=text, capture_output=True,
-                              text=True, timeout=TEMPLATE_CHECK_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise CreateError("template error: rendering took longer than 2 s") from None
-    if proc.returncode != 0:
-        detail = proc.stdout.strip() or "the template could not be rendered"
-        raise CreateError(f"template error: {detail}")
+        render_chat(text, TEMPLATE_CHECK_MESSAGES, bos_token="<bos>", eos_token="<eos>")
+    except ChatTemplateError as exc:
+        raise CreateError(f"template error: {exc.detail}"[:300]) from None
 
 
 # ---- FROM resolution -----------------------------------------------------------------------------------------------
