@@ -8,8 +8,6 @@ digests.
 from __future__ import annotations
 
 import hashlib
-import shutil
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,6 +223,7 @@ class _Base:
     licenses: list[str] = field(default_factory=list)
     template: str | None = None
     system: str | None = None
+    sources: dict[str, Path] = field(default_factory=dict)  # digest -> file to import again if pruned meanwhile
 
 
 def _create_model(name: ModelName | str, modelfile: Modelfile, store: Store, base_dir: Path | str,
@@ -250,15 +249,12 @@ def _create_model(name: ModelName | str, modelfile: Modelfile, store: Store, bas
     store.ensure_dirs()
     source = modelfile.from_ or ""
     local = _local_path(source, base_dir, paths_within)
-    work = Path(tempfile.mkdtemp(prefix=".create-", dir=store.root))  # conversions; never inside blobs/
-    try:
+    with store.scratch("create") as work:  # conversions; never inside blobs/, never in $TMPDIR
         if local is not None:
             base = yield from _from_local(store, local, quant, work)
         else:
             base = yield from _from_model(store, ModelName.parse(source), quant)  # not a path: a model name
         yield from _write_model(store, model_name, modelfile, base)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _from_local(store: Store, local: Path, quant: str | None, work: Path) -> Iterator[dict[str, Any]]:
@@ -294,7 +290,7 @@ def _from_local(store: Store, local: Path, quant: str | None, work: Path) -> Ite
     config = {"model_format": "gguf", "model_family": FAMILY, "model_families": [FAMILY],
               "model_type": human_number(info.parameter_count), "file_type": info.file_type,
               "architecture": "amd64", "os": "linux"}
-    return _Base([layer], config)
+    return _Base([layer], config, sources={layer.digest: gguf})
 
 
 def _from_model(store: Store, parent_name: ModelName, quant: str | None) -> Iterator[dict[str, Any]]:
@@ -332,19 +328,13 @@ def _write_model(store: Store, name: ModelName, mf: Modelfile, base: _Base) -> I
     system = mf.system if mf.system is not None else base.system
     licenses = base.licenses + [text for text in mf.licenses if text not in base.licenses]
 
-    layers = list(base.layers)
-    for media_type, data in (
+    texts = [(media_type, data) for media_type, data in (
         (MEDIA_TEMPLATE, template.encode() if template is not None else None),
         (MEDIA_SYSTEM, system.encode() if system is not None else None),
         (MEDIA_PARAMS, canonical_json(params) if params else None),
         (MEDIA_MESSAGES, canonical_json(messages) if messages else None),
         *((MEDIA_LICENSE, text.encode()) for text in licenses),
-    ):
-        if data is not None:
-            layer, status = _text_layer(store, media_type, data)
-            layers.append(layer)
-            yield status
-
+    ) if data is not None]
     config = dict(base.config)
     if template is not None:
         config["template_format"] = template_format(template)
@@ -353,17 +343,41 @@ def _write_model(store: Store, name: ModelName, mf: Modelfile, base: _Base) -> I
     for key in ("renderer", "parser"):  # kept for Ollama Modelfiles; dgemma ignores them at inference
         if key in mf.extras:
             config[key] = mf.extras[key]
-    config_digest, config_size = store.write_blob(canonical_json(config))
 
+    # One critical section from the first small blob to the pruning of the replaced layers: a concurrent create,
+    # delete or prune (another thread or process) can neither remove a blob this manifest is about to reference nor
+    # miss this manifest when it decides what is unreferenced.
+    statuses: list[dict[str, Any]] = []
+    with store.write_lock():
+        layers = list(base.layers)
+        _restore_base_layers(store, base)
+        for media_type, data in texts:
+            layer, status = _text_layer(store, media_type, data)
+            layers.append(layer)
+            statuses.append(status)
+        config_digest, config_size = store.write_blob(canonical_json(config))
+        try:
+            previous = store.read_manifest(name) if store.exists(name) else None
+        except DgemmaError:
+            previous = None
+        store.write_manifest(name, build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers))
+        if previous is not None:  # layers only the replaced manifest used
+            store.remove_unreferenced(set(previous.all_digests()) - {config_digest, *(lay.digest for lay in layers)})
+    yield from statuses
     yield {"status": "writing manifest"}
-    try:
-        previous = store.read_manifest(name) if store.exists(name) else None
-    except DgemmaError:
-        previous = None
-    store.write_manifest(name, build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers))
-    if previous is not None:  # layers only the replaced manifest used
-        store.remove_unreferenced(set(previous.all_digests()) - {config_digest, *(layer.digest for layer in layers)})
     yield {"status": "success"}
+
+
+def _restore_base_layers(store: Store, base: _Base) -> None:
+    """Under the write lock: the base's layers must still exist (another writer may have pruned one since it was
+    imported or found); a file we imported is imported again, an inherited layer that vanished is an error."""
+    for layer in base.layers:
+        if store.has_blob(layer.digest):
+            continue
+        source = base.sources.get(layer.digest)
+        if source is None or not source.is_file():
+            raise CreateError(f"layer {layer.digest[:19]} was removed while creating the model; try again")
+        store.import_file(source)
 
 
 def load_modelfile_for_create(path: Path | None, cwd: Path) -> tuple[Modelfile, Path]:
