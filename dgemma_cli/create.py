@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from dgemma_cli.errors import DgemmaError
-from dgemma_cli.gguf_check import GGUFError, GGUFInfo, read_gguf_info
+from dgemma_cli.gguf_check import GGUFError, GGUFInfo, check_runnable, read_gguf_info
 from dgemma_cli.modelfile import Modelfile, check_parameter_ranges, quote
 from dgemma_cli.names import ModelName
 from dgemma_cli.store import (
@@ -121,7 +121,27 @@ def _validated_gguf(path: Path) -> GGUFInfo:
         raise CreateError(f'model architecture "{info.architecture or "unknown"}" is not supported by dgemma')
     if "diffusion.canvas_length" not in info.metadata:
         raise CreateError("supplied file was not in GGUF format (diffusion.canvas_length is missing)")
+    try:
+        check_runnable(info)
+    except GGUFError as exc:
+        raise CreateError(f"model file cannot be run: {exc}") from None
+    if "tokenizer.ggml.model" in info.metadata:
+        _check_tokenizer(path)
     return info
+
+
+def _check_tokenizer(path: Path) -> None:
+    """Build the tokenizer exactly as a run does and tokenize a line: what passes here cannot fail at load."""
+    from dgemma_engine.errors import EngineError
+    from dgemma_engine.tokenizer import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_gguf(path)
+        ids = tokenizer.encode("Hello, world")
+    except EngineError as exc:
+        raise CreateError(f"model file cannot be run: {str(exc).replace(str(path), path.name)}") from None
+    if not ids or any(not 0 <= i < tokenizer.n_vocab for i in ids):
+        raise CreateError("model file cannot be run: its tokenizer cannot encode text")
 
 
 class _ByteCounter:

@@ -191,8 +191,8 @@ def special_tokens(metadata: dict[str, Any]) -> dict[str, str]:
     out = {}
     for name, key in SPECIAL_TOKEN_KEYS.items():
         i = metadata.get(f"tokenizer.ggml.{key}")
-        if i is not None and 0 <= int(i) < len(tokens):
-            out[name] = tokens[int(i)]
+        if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(tokens) and isinstance(tokens[i], str):
+            out[name] = tokens[i]  # a malformed id or vocabulary simply gives the template no such token
     return out
 
 

@@ -101,7 +101,8 @@ class EngineRunner:
         self.threads = threads
         self._lock = threading.Lock()
         self._contexts: list[Any] = []
-        self.model = Model.load(str(local_model.gguf_path), threads=threads)
+        self.model = Model.load(str(local_model.gguf_path), threads=threads,
+                                name=f"model '{local_model.name}'" if getattr(local_model, "name", None) else None)
         try:
             hparams = self.model.hparams
             self.metadata = dict(self.model.metadata)
