@@ -53,7 +53,12 @@ def no_room_error(prompt_tokens: int, canvas: int, n_ctx: int) -> RequestError:
 
 
 def render_failed(exc: Exception) -> RequestError:
-    """Template failures (sandbox violations included) are a clean 500 without internals (§8 H 25)."""
+    """Template failures (sandbox violations included) are a clean 500 without internals (§8 H 25); a render over
+    its time or size budget is a 400 with the budget's one line: the request's data drove it there."""
+    from dgemma_engine.chat import ChatTemplateBudgetError
+
+    if isinstance(exc, ChatTemplateBudgetError):
+        return RequestError(str(exc))
     return RequestError("failed to render chat template", 500)
 
 

@@ -160,7 +160,7 @@ def _request_template(text: str) -> ChatTemplate:
     from dgemma_cli.create import template_format
 
     if template_format(text) == "jinja":
-        return ChatTemplate("jinja", text)
+        return ChatTemplate("jinja", text, from_request=True)
     try:
         gotemplate.parse(text)
     except gotemplate.UnsupportedTemplate as exc:
