@@ -51,14 +51,15 @@ def client_base_url(environ: dict[str, str] | None = None) -> str:
 
 
 def _error_text(response: httpx.Response) -> str:
+    from dgemma_cli.wire import error_text  # pydantic's import cost only on the error path
+
     try:
         body = response.json()
     except (ValueError, json.JSONDecodeError):
         body = None
-    if isinstance(body, dict) and isinstance(body.get("error"), str):
-        return body["error"]
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):  # OpenAI shape
-        return str(body["error"].get("message", ""))
+    message = error_text(body)
+    if message is not None:
+        return message
     text = response.text.strip()
     return text or f"server answered {response.status_code}"
 
@@ -167,8 +168,11 @@ class Client:
                     obj = json.loads(line)
                 except json.JSONDecodeError:
                     raise ApiError(f"unexpected response from the server: {line[:80]!r}") from None
-                if isinstance(obj, dict) and "error" in obj:
-                    raise ApiError(str(obj["error"]), response.status_code)
+                if isinstance(obj, dict) and "error" in obj:  # the wire's in-stream error line
+                    from dgemma_cli.wire import error_text
+
+                    message = error_text(obj)
+                    raise ApiError(str(obj["error"]) if message is None else message, response.status_code)
                 yield obj
 
     def generate_stream(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -8,17 +8,13 @@ digests.
 from __future__ import annotations
 
 import hashlib
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from dgemma_cli.errors import DgemmaError
-from dgemma_cli.gguf_check import GGUFError, GGUFInfo, read_gguf_info
+from dgemma_cli.gguf_check import GGUFError, GGUFInfo, check_runnable, read_gguf_info
 from dgemma_cli.modelfile import Modelfile, check_parameter_ranges, quote
 from dgemma_cli.names import ModelName
 from dgemma_cli.store import (
@@ -34,11 +30,12 @@ from dgemma_cli.store import (
     build_manifest,
     canonical_json,
 )
+from dgemma_convert.errors import ConvertError
+from dgemma_engine.errors import EngineError
 
 FAMILY = "diffusion-gemma"
 QUANTIZE_TYPES = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q5_k_m": "Q5_K_M", "q4_k_m": "Q4_K_M", "q4_0": "Q4_0"}
 FLOAT_FILE_TYPES = {"F32", "F16", "BF16"}
-TEMPLATE_CHECK_TIMEOUT_S = 2.0
 
 
 class CreateError(DgemmaError):
@@ -58,37 +55,19 @@ def template_format(text: str) -> str:
     return "jinja" if "{%" in text or "messages" in text else "go"
 
 
-_TEMPLATE_CHECK = r"""
-import resource, sys
-resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-def raise_exception(message):
-    raise ValueError(message)
-env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: "2026-01-01")
-messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
-try:
-    out = env.from_string(sys.stdin.read()).render(messages=messages, bos_token="<bos>", eos_token="<eos>",
-                                                   add_generation_prompt=True, tools=None)
-    if len(out) > (4 << 20):
-        raise ValueError("rendered prompt larger than 4 MiB")
-except Exception as exc:
-    print(f"{type(exc).__name__}: {exc}"[:300])
-    sys.exit(1)
-"""
+TEMPLATE_CHECK_MESSAGES = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"},
+                           {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
 
 
 def check_jinja_template(text: str) -> None:
-    """Test-render a Jinja chat template in the sandbox, in a subprocess with a time and memory limit (§4.6)."""
+    """Test-render a Jinja chat template with the renderer inference uses (same sandbox, same time and size
+    budget), so a template refused at run time for any conversation is refused here too (§4.6)."""
+    from dgemma_engine.chat import ChatTemplateError, render_chat
+
     try:
-        proc = subprocess.run([sys.executable, "-I", "-c", _TEMPLATE_CHECK], input=text, capture_output=True,
-                              text=True, timeout=TEMPLATE_CHECK_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise CreateError("template error: rendering took longer than 2 s") from None
-    if proc.returncode != 0:
-        detail = proc.stdout.strip() or "the template could not be rendered"
-        raise CreateError(f"template error: {detail}")
+        render_chat(text, TEMPLATE_CHECK_MESSAGES, bos_token="<bos>", eos_token="<eos>")
+    except ChatTemplateError as exc:
+        raise CreateError(f"template error: {exc.detail}"[:300]) from None
 
 
 # ---- FROM resolution -----------------------------------------------------------------------------------------------
@@ -144,7 +123,27 @@ def _validated_gguf(path: Path) -> GGUFInfo:
         raise CreateError(f'model architecture "{info.architecture or "unknown"}" is not supported by dgemma')
     if "diffusion.canvas_length" not in info.metadata:
         raise CreateError("supplied file was not in GGUF format (diffusion.canvas_length is missing)")
+    try:
+        check_runnable(info)
+    except GGUFError as exc:
+        raise CreateError(f"model file cannot be run: {exc}") from None
+    if "tokenizer.ggml.model" in info.metadata:
+        _check_tokenizer(path)
     return info
+
+
+def _check_tokenizer(path: Path) -> None:
+    """Build the tokenizer exactly as a run does and tokenize a line: what passes here cannot fail at load."""
+    from dgemma_engine.errors import EngineError
+    from dgemma_engine.tokenizer import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_gguf(path)
+        ids = tokenizer.encode("Hello, world")
+    except EngineError as exc:
+        raise CreateError(f"model file cannot be run: {str(exc).replace(str(path), path.name)}") from None
+    if not ids or any(not 0 <= i < tokenizer.n_vocab for i in ids):
+        raise CreateError("model file cannot be run: its tokenizer cannot encode text")
 
 
 class _ByteCounter:
@@ -191,7 +190,7 @@ def _converter_step(status: str, work: Callable[[_ByteCounter], None],
             yield {"status": status, "digest": PROGRESS_DIGEST, "total": counter.total, "completed": counter.completed}
     if failure:
         exc = failure[0]
-        if isinstance(exc, DgemmaError):
+        if isinstance(exc, DgemmaError) and not isinstance(exc, ConvertError | EngineError):
             raise exc
         message = str(exc)
         for path, name in hide.items():
@@ -246,6 +245,7 @@ class _Base:
     licenses: list[str] = field(default_factory=list)
     template: str | None = None
     system: str | None = None
+    sources: dict[str, Path] = field(default_factory=dict)  # digest -> file to import again if pruned meanwhile
 
 
 def _create_model(name: ModelName | str, modelfile: Modelfile, store: Store, base_dir: Path | str,
@@ -271,15 +271,12 @@ def _create_model(name: ModelName | str, modelfile: Modelfile, store: Store, bas
     store.ensure_dirs()
     source = modelfile.from_ or ""
     local = _local_path(source, base_dir, paths_within)
-    work = Path(tempfile.mkdtemp(prefix=".create-", dir=store.root))  # conversions; never inside blobs/
-    try:
+    with store.scratch("create") as work:  # conversions; never inside blobs/, never in $TMPDIR
         if local is not None:
             base = yield from _from_local(store, local, quant, work)
         else:
             base = yield from _from_model(store, ModelName.parse(source), quant)  # not a path: a model name
         yield from _write_model(store, model_name, modelfile, base)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _from_local(store: Store, local: Path, quant: str | None, work: Path) -> Iterator[dict[str, Any]]:
@@ -315,7 +312,7 @@ def _from_local(store: Store, local: Path, quant: str | None, work: Path) -> Ite
     config = {"model_format": "gguf", "model_family": FAMILY, "model_families": [FAMILY],
               "model_type": human_number(info.parameter_count), "file_type": info.file_type,
               "architecture": "amd64", "os": "linux"}
-    return _Base([layer], config)
+    return _Base([layer], config, sources={layer.digest: gguf})
 
 
 def _from_model(store: Store, parent_name: ModelName, quant: str | None) -> Iterator[dict[str, Any]]:
@@ -353,19 +350,13 @@ def _write_model(store: Store, name: ModelName, mf: Modelfile, base: _Base) -> I
     system = mf.system if mf.system is not None else base.system
     licenses = base.licenses + [text for text in mf.licenses if text not in base.licenses]
 
-    layers = list(base.layers)
-    for media_type, data in (
+    texts = [(media_type, data) for media_type, data in (
         (MEDIA_TEMPLATE, template.encode() if template is not None else None),
         (MEDIA_SYSTEM, system.encode() if system is not None else None),
         (MEDIA_PARAMS, canonical_json(params) if params else None),
         (MEDIA_MESSAGES, canonical_json(messages) if messages else None),
         *((MEDIA_LICENSE, text.encode()) for text in licenses),
-    ):
-        if data is not None:
-            layer, status = _text_layer(store, media_type, data)
-            layers.append(layer)
-            yield status
-
+    ) if data is not None]
     config = dict(base.config)
     if template is not None:
         config["template_format"] = template_format(template)
@@ -374,17 +365,41 @@ def _write_model(store: Store, name: ModelName, mf: Modelfile, base: _Base) -> I
     for key in ("renderer", "parser"):  # kept for Ollama Modelfiles; dgemma ignores them at inference
         if key in mf.extras:
             config[key] = mf.extras[key]
-    config_digest, config_size = store.write_blob(canonical_json(config))
 
+    # One critical section from the first small blob to the pruning of the replaced layers: a concurrent create,
+    # delete or prune (another thread or process) can neither remove a blob this manifest is about to reference nor
+    # miss this manifest when it decides what is unreferenced.
+    statuses: list[dict[str, Any]] = []
+    with store.write_lock():
+        layers = list(base.layers)
+        _restore_base_layers(store, base)
+        for media_type, data in texts:
+            layer, status = _text_layer(store, media_type, data)
+            layers.append(layer)
+            statuses.append(status)
+        config_digest, config_size = store.write_blob(canonical_json(config))
+        try:
+            previous = store.read_manifest(name) if store.exists(name) else None
+        except DgemmaError:
+            previous = None
+        store.write_manifest(name, build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers))
+        if previous is not None:  # layers only the replaced manifest used
+            store.remove_unreferenced(set(previous.all_digests()) - {config_digest, *(lay.digest for lay in layers)})
+    yield from statuses
     yield {"status": "writing manifest"}
-    try:
-        previous = store.read_manifest(name) if store.exists(name) else None
-    except DgemmaError:
-        previous = None
-    store.write_manifest(name, build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers))
-    if previous is not None:  # layers only the replaced manifest used
-        store.remove_unreferenced(set(previous.all_digests()) - {config_digest, *(layer.digest for layer in layers)})
     yield {"status": "success"}
+
+
+def _restore_base_layers(store: Store, base: _Base) -> None:
+    """Under the write lock: the base's layers must still exist (another writer may have pruned one since it was
+    imported or found); a file we imported is imported again, an inherited layer that vanished is an error."""
+    for layer in base.layers:
+        if store.has_blob(layer.digest):
+            continue
+        source = base.sources.get(layer.digest)
+        if source is None or not source.is_file():
+            raise CreateError(f"layer {layer.digest[:19]} was removed while creating the model; try again")
+        store.import_file(source)
 
 
 def load_modelfile_for_create(path: Path | None, cwd: Path) -> tuple[Modelfile, Path]:

@@ -1,5 +1,8 @@
-"""The one exception type the CLI and server turn into a clear one-line error (never a traceback)."""
+"""The one exception type the CLI and server turn into a clear one-line error (never a traceback).
 
+It is the same class for all three packages (defined with the engine, docs/server.md "Errors"), so a converter or
+engine error is a `DgemmaError` too.
+"""
+from dgemma_engine.errors import DgemmaError
 
-class DgemmaError(Exception):
-    """A user-facing error: bad input, unknown model, malformed file. The message is shown as is."""
+__all__ = ["DgemmaError"]

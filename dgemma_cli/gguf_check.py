@@ -51,20 +51,26 @@ FILE_TYPES = {
 
 # Keys whose type is fixed by the layout spec; a wrong type is as bad as a missing tensor.
 _INTEGER_KEYS = ("block_count", "context_length", "embedding_length")
+MAX_CANVAS_LENGTH = 4096  # DG_MAX_CANVAS in ggml_ext/csrc/engine/engine.h: the engine refuses longer canvases
+TOKENIZER_MODELS = ("gemma4", "llama")
+SPECIAL_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "mask_token_id")
+_FLOAT_TYPES = {6, 12}
 
 
 class GGUFError(DgemmaError):
     """The file is not a well-formed GGUF (message says where)."""
 
-    http_status = 400
+    status = 400
 
 
 @dataclass(frozen=True)
 class ArraySummary:
-    """A long metadata array, kept as its element type and length only."""
+    """A long metadata array, kept as its element type and length only (plus, for strings, whether every element
+    is one and the same string: a vocabulary no tokenizer can use)."""
 
     item_type: int
     length: int
+    all_same: bool = False
 
 
 @dataclass(frozen=True)
@@ -163,16 +169,25 @@ def _shortest_f32(value: float) -> float:
 _U64 = struct.Struct("<Q")
 
 
-def _skip_strings(r: _Reader, count: int, key: str) -> None:
-    """Step over `count` length-prefixed strings (a 262k-token vocabulary) without decoding them."""
+def _skip_strings(r: _Reader, count: int, key: str) -> bool:
+    """Step over `count` length-prefixed strings (a 262k-token vocabulary) without decoding them; True if they
+    are all the same string."""
     pos, size, buf, unpack = r.pos, r.size, r.buf, _U64.unpack_from
+    first: bytes | None = None
+    all_same = True
     for _ in range(count):
         if pos + 8 > size:
             raise GGUFError(f"invalid GGUF: array {key!r} extends beyond the end of the file")
-        pos += 8 + unpack(buf, pos)[0]
+        n = unpack(buf, pos)[0]
+        start, pos = pos + 8, pos + 8 + n
         if pos > size:
             raise GGUFError(f"invalid GGUF: array {key!r} extends beyond the end of the file")
+        if all_same:
+            item = bytes(buf[start:pos])
+            first = item if first is None else first
+            all_same = item == first
     r.pos = pos
+    return all_same
 
 
 def _read_value(r: _Reader, vtype: int, key: str, depth: int = 0) -> Any:
@@ -204,8 +219,7 @@ def _read_value(r: _Reader, vtype: int, key: str, depth: int = 0) -> Any:
             r.need(length * min_size, f"array {key!r}")  # each element needs at least its length prefix
             keep = length <= KEEP_ARRAY_MAX
             if item_type == T_STRING and not keep:
-                _skip_strings(r, length, key)
-                return ArraySummary(item_type, length)
+                return ArraySummary(item_type, length, _skip_strings(r, length, key))
             items = [_read_value(r, item_type, key, depth + 1) for _ in range(length)] if keep else None
             if not keep:
                 for _ in range(length):
@@ -227,6 +241,8 @@ def _check_typed_keys(metadata: dict[str, Any]) -> None:
     canvas = metadata.get("diffusion.canvas_length")
     if canvas is not None and (isinstance(canvas, bool) or not isinstance(canvas, int) or canvas <= 0):
         raise GGUFError("invalid GGUF: diffusion.canvas_length must be a positive integer")
+    if canvas is not None and canvas > MAX_CANVAS_LENGTH:
+        raise GGUFError(f"invalid GGUF: diffusion.canvas_length {canvas} is larger than {MAX_CANVAS_LENGTH}")
 
 
 def parse_gguf(buf: bytes | memoryview | mmap.mmap, size: int | None = None) -> GGUFInfo:
@@ -250,6 +266,8 @@ def parse_gguf(buf: bytes | memoryview | mmap.mmap, size: int | None = None) -> 
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = r.string("metadata key")
+        if not key:
+            raise GGUFError("invalid GGUF: empty metadata key")
         if key in metadata:
             raise GGUFError(f"invalid GGUF: duplicate key {key!r}")
         vtype = r.unpack("<I", f"type of {key!r}")
@@ -337,3 +355,80 @@ def check_diffusion_gguf(path: str | os.PathLike) -> GGUFInfo:
     if "diffusion.canvas_length" not in info.metadata:
         raise GGUFError("invalid GGUF: diffusion.canvas_length is missing")
     return info
+
+
+# ---- can a run use it? -----------------------------------------------------------------------------------------------
+
+def _array_info(value: Any) -> tuple[int | None, int, bool] | None:
+    """(element type or None if mixed/empty, length, all elements the same) of a metadata array, else None."""
+    if isinstance(value, ArraySummary):
+        return value.item_type, value.length, value.all_same
+    if not isinstance(value, list):
+        return None
+    kinds = {_value_kind(item) for item in value}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    return kind, len(value), len(set(map(repr, value))) <= 1
+
+
+def _value_kind(value: Any) -> int:
+    if isinstance(value, bool):
+        return T_BOOL
+    if isinstance(value, int):
+        return 5
+    if isinstance(value, float):
+        return 6
+    if isinstance(value, str):
+        return T_STRING
+    return T_ARRAY
+
+
+def _check_array(metadata: dict[str, Any], key: str, kinds: set[int], what: str, length: int | None) -> None:
+    value = metadata.get(key)
+    if value is None:
+        return
+    info = _array_info(value)
+    if info is None or (info[0] not in kinds and info[1] > 0):
+        raise GGUFError(f"{key} must be an array of {what}")
+    if length is not None and info[1] != length:
+        raise GGUFError(f"{key} has {info[1]} entries, tokenizer.ggml.tokens has {length}")
+
+
+def check_runnable(info: GGUFInfo) -> None:
+    """The metadata checks the engine and its tokenizer apply at load, made at create time so that a model the store
+    accepts can run (types of the tokenizer keys, special token ids in range, a context that fits a canvas)."""
+    md, arch = info.metadata, info.architecture
+    tokens = md.get("tokenizer.ggml.tokens")
+    n_tokens = None
+    if tokens is not None:
+        array = _array_info(tokens)
+        if array is None or array[0] != T_STRING or array[1] == 0:
+            raise GGUFError("tokenizer.ggml.tokens must be a non-empty array of strings")
+        n_tokens = array[1]
+        if n_tokens > 1 and array[2]:
+            raise GGUFError("tokenizer.ggml.tokens are all the same string")
+    model = md.get("tokenizer.ggml.model")
+    if model is not None and model not in TOKENIZER_MODELS:
+        raise GGUFError(f"unsupported tokenizer.ggml.model {str(model)[:40]!r} "
+                        f"(expected {' or '.join(map(repr, TOKENIZER_MODELS))})")
+    if model is not None and tokens is None:
+        raise GGUFError("tokenizer.ggml.tokens is missing")
+    _check_array(md, "tokenizer.ggml.token_type", _INT_TYPES, "integers", n_tokens)
+    _check_array(md, "tokenizer.ggml.scores", _FLOAT_TYPES | _INT_TYPES, "numbers", n_tokens)
+    _check_array(md, "tokenizer.ggml.merges", {T_STRING}, "strings", None)
+    if model == "llama" and "tokenizer.ggml.scores" not in md:
+        raise GGUFError("tokenizer.ggml.scores is missing (needed by the 'llama' tokenizer)")
+    for name in SPECIAL_TOKEN_ID_KEYS:
+        value = md.get(f"tokenizer.ggml.{name}")
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise GGUFError(f"tokenizer.ggml.{name} must be an integer")
+        if n_tokens is not None and not 0 <= value < n_tokens:
+            raise GGUFError(f"tokenizer.ggml.{name} {value} is outside the vocabulary (0..{n_tokens - 1})")
+    context = md.get(f"{arch}.context_length")
+    canvas = md.get("diffusion.canvas_length")
+    if not context:
+        raise GGUFError(f"{arch}.context_length is missing or zero")
+    if isinstance(canvas, int) and context <= canvas:
+        raise GGUFError(f"{arch}.context_length {context} leaves no room for a prompt and "
+                        f"a canvas of {canvas} tokens")

@@ -6,9 +6,10 @@ positions in one style and still-changing (renoised) positions dimmed, and a cou
 entropy, accepted positions). Redraws are throttled to `max_fps` so drawing never dominates the step time; a canvas
 commit always redraws. When the generation ends the live region is replaced by the committed text, printed plainly.
 
-Per-position detail comes from optional fields of the chunk when the server sends them: `preview_tokens` (the draft as
-one string per canvas position) and `preview_accepted` (0/1 per position: kept by the sampler this step). Without
-them the draft string is compared with the previous step's, character by character.
+A chunk is read as the wire's `Progress` record (dgemma_cli/wire.py), so the names are the server's. Per-position
+detail comes from its optional fields when the server sends them: `preview_tokens` (the draft as one string per canvas
+position) and `preview_accepted` (0/1 per position: kept by the sampler this step). Without them the draft string is
+compared with the previous step's, character by character.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from dgemma_cli.wire import Progress
+
 SETTLED_STYLE = "bold"
 RENOISED_STYLE = "dim"
 THINKING_STYLE = "dim italic"
@@ -30,37 +33,33 @@ COMMITTED_TAIL_LINES = 6
 
 @dataclass
 class Draft:
-    """One step of one canvas as the server described it."""
+    """One step of one canvas as the server described it, with the draft split per position: the chunk's
+    `preview_tokens` / `preview_accepted`, or derived from `preview` when it sent only that."""
 
-    canvas: int
-    step: int
-    total: int
-    pieces: list[str]
-    settled: list[bool]
-    entropy: float | None = None
-    accepted: int | None = None
+    progress: Progress
+    preview_tokens: list[str]
+    preview_accepted: list[bool]
 
     def counter(self) -> str:
-        parts = [f"canvas {self.canvas}", f"step {self.step}/{self.total}"]
-        if self.entropy is not None:
-            parts.append(f"mean entropy {self.entropy:.3f}")
-        if self.accepted is not None:
-            parts.append(f"accepted {self.accepted}/{len(self.pieces)}")
+        step = self.progress
+        parts = [f"canvas {step.canvas}", f"step {step.completed}/{step.total}"]
+        if step.entropy is not None:
+            parts.append(f"mean entropy {step.entropy:.3f}")
+        if step.accepted is not None:
+            parts.append(f"accepted {step.accepted}/{len(self.preview_tokens)}")
         return " · ".join(parts)
 
 
-def _pieces_of(chunk: dict[str, Any], previous: list[str]) -> tuple[list[str], list[bool]]:
-    tokens = chunk.get("preview_tokens")
-    if isinstance(tokens, list) and all(isinstance(t, str) for t in tokens):
-        accepted = chunk.get("preview_accepted")
-        if isinstance(accepted, list) and len(accepted) == len(tokens):
-            settled = [bool(a) for a in accepted]
-        else:  # unchanged since the previous step counts as settled
-            settled = [i < len(previous) and previous[i] == t for i, t in enumerate(tokens)]
-        return list(tokens), settled
-    text = chunk.get("preview") or ""
-    chars = list(text)
-    return chars, [i < len(previous) and previous[i] == c for i, c in enumerate(chars)]
+def draft_of(progress: Progress, previous: list[str]) -> Draft:
+    """Positions unchanged since the previous step count as settled when the server did not say which were kept."""
+    tokens = progress.preview_tokens
+    if tokens is not None:
+        accepted = progress.preview_accepted
+        if accepted is not None and len(accepted) == len(tokens):
+            return Draft(progress, list(tokens), list(accepted))
+        return Draft(progress, list(tokens), [i < len(previous) and previous[i] == t for i, t in enumerate(tokens)])
+    chars = list(progress.preview or "")
+    return Draft(progress, chars, [i < len(previous) and previous[i] == c for i, c in enumerate(chars)])
 
 
 @dataclass
@@ -106,10 +105,9 @@ class LiveView:
 
     def on_progress(self, chunk: dict[str, Any]) -> None:
         started = self.clock()
-        previous = self.draft.pieces if self.draft is not None and self.draft.canvas == chunk.get("canvas") else []
-        pieces, settled = _pieces_of(chunk, previous)
-        self.draft = Draft(int(chunk.get("canvas") or 0), int(chunk.get("completed") or 0), int(chunk.get("total") or 0),
-                           pieces, settled, chunk.get("entropy"), chunk.get("accepted"))
+        progress = Progress.model_validate(chunk)
+        same_canvas = self.draft is not None and self.draft.progress.canvas == progress.canvas
+        self.draft = draft_of(progress, self.draft.preview_tokens if same_canvas else [])
         self.steps_seen += 1
         if self.max_fps is None or started - self._last_draw >= 1.0 / self.max_fps:
             self._draw(started)
@@ -156,7 +154,7 @@ class LiveView:
         if self.draft is None:
             return draft
         run, run_settled = "", None
-        for piece, settled in zip(self.draft.pieces, self.draft.settled):
+        for piece, settled in zip(self.draft.preview_tokens, self.draft.preview_accepted):
             if settled != run_settled and run:
                 draft.append(run, style=SETTLED_STYLE if run_settled else RENOISED_STYLE)
                 run = ""

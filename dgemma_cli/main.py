@@ -4,6 +4,7 @@ import sys
 import typer
 
 from dgemma_cli import cmd_convert, cmd_debug, cmd_run, cmd_serve, cmd_store, sudoku
+from dgemma_cli.errors import DgemmaError
 
 app = typer.Typer(
     name="dgemma",
@@ -57,30 +58,10 @@ cmd_run.register(app)
 cmd_run.register_task_renderer(sudoku.run_sudoku)
 
 
-def user_error_types() -> tuple[type[BaseException], ...]:
-    """Every package's user-error class: these become `Error: <message>` and exit status 1."""
-    from dgemma_cli.errors import DgemmaError
-
-    types: list[type[BaseException]] = [DgemmaError]
-    try:
-        from dgemma_convert.errors import ConvertError
-
-        types.append(ConvertError)
-    except ImportError:
-        pass
-    try:
-        from dgemma_engine.errors import EngineError
-
-        types.append(EngineError)
-    except ImportError:
-        pass
-    return tuple(types)
-
-
 def main() -> None:
     try:
         app()
-    except user_error_types() as exc:
+    except DgemmaError as exc:  # every package's user error (engine and converter ones derive from it)
         print(f"Error: {exc}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:

@@ -27,7 +27,7 @@ _TAG_RE = _MODEL_RE
 class InvalidNameError(DgemmaError):
     """The one message for every invalid name, so callers cannot probe the filesystem through error texts."""
 
-    http_status = 400
+    status = 400
 
     def __init__(self) -> None:
         super().__init__("invalid model name")

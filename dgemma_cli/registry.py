@@ -830,14 +830,17 @@ def _pull(model_name: ModelName, store: Store, client: RegistryClient, options: 
         raise
 
     yield {"status": "writing manifest"}
-    try:
-        previous = store.read_manifest(model_name) if store.exists(model_name) else None
-    except DgemmaError:
-        previous = None
-    store.write_manifest(model_name, raw)
-    if previous is not None:
-        orphans = set(previous.all_digests()) - set(manifest.all_digests())
-        if orphans:
-            yield {"status": "removing unused layers"}
-            store.remove_unreferenced(orphans)
+    with store.write_lock():  # no concurrent create/delete/prune removes a layer between this check and the write
+        missing = store.missing_blobs(manifest)
+        if missing:
+            raise RegistryError(f"layer {missing[0][:19]} is missing after download")
+        try:
+            previous = store.read_manifest(model_name) if store.exists(model_name) else None
+        except DgemmaError:
+            previous = None
+        store.write_manifest(model_name, raw)
+    orphans = set(previous.all_digests()) - set(manifest.all_digests()) if previous is not None else set()
+    if orphans:
+        yield {"status": "removing unused layers"}
+        store.remove_unreferenced(orphans)
     yield {"status": "success"}

@@ -25,30 +25,32 @@ def _rate(count: int, duration_ns: int) -> str:
 def timing_block(final: dict[str, Any]) -> str:
     """Ollama's `--verbose` statistics from a final response object, zero-valued lines omitted; then dgemma's diffusion
     lines: steps run, canvases, mean steps per canvas and the denoising rate (steps per second of eval time)."""
-    get = lambda key: int(final.get(key) or 0)  # noqa: E731
+    from dgemma_cli.wire import Metrics  # pydantic costs a CLI start ~0.1 s: loaded only when a block is printed
+
+    m = Metrics.model_validate({key: value for key, value in final.items() if value is not None})
     lines = []
-    if get("total_duration"):
-        lines.append(_line("total duration", go_duration(get("total_duration"))))
-    if get("load_duration"):
-        lines.append(_line("load duration", go_duration(get("load_duration"))))
-    if get("prompt_eval_count"):
-        lines.append(_line("prompt eval count", f"{get('prompt_eval_count')} token(s)"))
-    if get("prompt_eval_duration"):
-        lines.append(_line("prompt eval duration", go_duration(get("prompt_eval_duration"))))
-        lines.append(_line("prompt eval rate", f"{_rate(get('prompt_eval_count'), get('prompt_eval_duration'))} tokens/s"))
-    if get("eval_count"):
-        lines.append(_line("eval count", f"{get('eval_count')} token(s)"))
-    if get("eval_duration"):
-        lines.append(_line("eval duration", go_duration(get("eval_duration"))))
-        lines.append(_line("eval rate", f"{_rate(get('eval_count'), get('eval_duration'))} tokens/s"))
-    if get("denoise_steps"):
-        lines.append(_line("denoise steps", str(get("denoise_steps"))))
-    if get("canvases"):
-        lines.append(_line("canvases", str(get("canvases"))))
-    if get("denoise_steps") and get("canvases"):
-        lines.append(_line("steps per canvas", f"{get('denoise_steps') / get('canvases'):.2f}"))
-    if get("denoise_steps") and get("eval_duration"):
-        lines.append(_line("denoise rate", f"{_rate(get('denoise_steps'), get('eval_duration'))} steps/s"))
+    if m.total_duration:
+        lines.append(_line("total duration", go_duration(m.total_duration)))
+    if m.load_duration:
+        lines.append(_line("load duration", go_duration(m.load_duration)))
+    if m.prompt_eval_count:
+        lines.append(_line("prompt eval count", f"{m.prompt_eval_count} token(s)"))
+    if m.prompt_eval_duration:
+        lines.append(_line("prompt eval duration", go_duration(m.prompt_eval_duration)))
+        lines.append(_line("prompt eval rate", f"{_rate(m.prompt_eval_count, m.prompt_eval_duration)} tokens/s"))
+    if m.eval_count:
+        lines.append(_line("eval count", f"{m.eval_count} token(s)"))
+    if m.eval_duration:
+        lines.append(_line("eval duration", go_duration(m.eval_duration)))
+        lines.append(_line("eval rate", f"{_rate(m.eval_count, m.eval_duration)} tokens/s"))
+    if m.denoise_steps:
+        lines.append(_line("denoise steps", str(m.denoise_steps)))
+    if m.canvases:
+        lines.append(_line("canvases", str(m.canvases)))
+    if m.denoise_steps and m.canvases:
+        lines.append(_line("steps per canvas", f"{m.denoise_steps / m.canvases:.2f}"))
+    if m.denoise_steps and m.eval_duration:
+        lines.append(_line("denoise rate", f"{_rate(m.denoise_steps, m.eval_duration)} steps/s"))
     return "\n".join(lines)
 
 

@@ -6,19 +6,27 @@
 `Store.blob_path` is the ONE function that turns a digest into a path: every reader and writer (pull, create,
 /api/blobs, copy, delete, prune, resume sidecars) goes through it, so a traversal digest can never name a file
 outside `blobs/`. Manifest paths come only from validated `ModelName`s and are checked to stay inside `manifests/`.
+
+Writers that change which blobs are referenced (a manifest write, a delete, a prune) hold `Store.write_lock()`: an
+exclusive `flock` on `<root>/.dgemma-store.lock`, so a server and a CLI sharing the store never prune a blob that
+another writer is about to reference. Scratch space for conversions lives in `<root>/tmp/`, never in $TMPDIR, and
+folders whose owner died (a killed `create`) are removed by the next `Store.scratch()`.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import re
 import secrets
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.names import ModelName
@@ -36,6 +44,9 @@ MAX_LAYERS = 64
 MAX_LAYER_SIZE = 10**12  # 1 TB
 MAX_MANIFEST_BYTES = 4 << 20
 MAX_TEXT_LAYER_BYTES = 16 << 20  # template/system/license/params/messages layers are read into memory
+LOCK_FILE = ".dgemma-store.lock"
+SCRATCH_DIR = "tmp"
+SCRATCH_OWNER = ".owner"  # flocked by the folder's owner for as long as it lives
 
 _DIGEST_RE = re.compile(r"sha256[:-]([0-9a-fA-F]{64})", re.ASCII)
 _BLOB_NAME_RE = re.compile(r"sha256-[0-9a-f]{64}", re.ASCII)
@@ -202,6 +213,71 @@ class LocalModel:
         return self.config.get("template_format")
 
 
+class _RootLock:
+    """One store's write lock: reentrant within a thread, exclusive across threads (an RLock) and processes (flock)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.thread_lock = threading.RLock()
+        self.depth = 0
+        self.fd: int | None = None
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        with self.thread_lock:
+            if self.depth == 0:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self.fd = fd
+            self.depth += 1
+            try:
+                yield
+            finally:
+                self.depth -= 1
+                if self.depth == 0 and self.fd is not None:
+                    os.close(self.fd)  # releases the flock
+                    self.fd = None
+
+
+_ROOT_LOCKS: dict[str, _RootLock] = {}
+_ROOT_LOCKS_GUARD = threading.Lock()
+
+
+def _root_lock(root: Path) -> _RootLock:
+    path = root.resolve() / LOCK_FILE
+    with _ROOT_LOCKS_GUARD:
+        return _ROOT_LOCKS.setdefault(str(path), _RootLock(path))
+
+
+def _sweep_scratch(folder: Path) -> None:
+    """Remove scratch folders whose owner no longer holds its lock (it was killed, or crashed)."""
+    for entry in folder.iterdir():
+        if not entry.is_dir() or entry.is_symlink():
+            continue
+        try:
+            fd = os.open(entry / SCRATCH_OWNER, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            fd = None  # killed between mkdir and creating its owner file
+        except OSError:
+            continue
+        try:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            elif time.time() - entry.stat().st_mtime < 60:
+                continue  # a brand-new folder whose owner file is not there yet
+        except (BlockingIOError, OSError):
+            continue  # still owned
+        finally:
+            if fd is not None:
+                os.close(fd)
+        shutil.rmtree(entry, ignore_errors=True)
+
+
 def default_root() -> Path:
     value = os.environ.get("DGEMMA_MODELS", "").strip().strip("'\"")
     return Path(value).expanduser() if value else Path.home() / ".dgemma" / "models"
@@ -216,6 +292,28 @@ class Store:
     def ensure_dirs(self) -> None:
         self.blobs_dir.mkdir(parents=True, exist_ok=True)
         self.manifests_dir.mkdir(parents=True, exist_ok=True)
+
+    def write_lock(self) -> contextlib.AbstractContextManager[None]:
+        """Held around every change of which blobs are referenced: a manifest write together with the check that its
+        blobs exist and the pruning of the layers it replaced, a delete, a prune (across threads and processes)."""
+        return _root_lock(self.root).hold()
+
+    @contextlib.contextmanager
+    def scratch(self, prefix: str) -> Iterator[Path]:
+        """A private folder under `<root>/tmp/` for the duration of the block, removed afterwards; folders left by a
+        killed owner are removed by the next call (each folder's owner holds a flock on its `.owner` file)."""
+        folder = self.root / SCRATCH_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        _sweep_scratch(folder)
+        work = folder / f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+        work.mkdir()
+        fd = os.open(work / SCRATCH_OWNER, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield work
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+            os.close(fd)
 
     # ---- blobs -------------------------------------------------------------------------------------------------
 
@@ -457,41 +555,52 @@ class Store:
     def copy(self, src: ModelName | str, dst: ModelName | str) -> None:
         """Copy the manifest bytes under a new name; blobs are shared."""
         src_name, dst_name = self._as_name(src), self._as_name(dst)
-        manifest = self.read_manifest(src_name)
-        for digest in manifest.all_digests():
-            if not self.has_blob(digest):
-                raise DgemmaError(f"model '{src_name.display}' is incomplete: missing blob {digest}")
-        self.write_manifest(dst_name, manifest.raw)
+        with self.write_lock():
+            manifest = self.read_manifest(src_name)
+            for digest in manifest.all_digests():
+                if not self.has_blob(digest):
+                    raise DgemmaError(f"model '{src_name.display}' is incomplete: missing blob {digest}")
+            self.write_manifest(dst_name, manifest.raw)
 
     def delete(self, name: ModelName | str) -> list[str]:
         """Remove a model; prune the blobs only it referenced and empty manifest folders. Returns removed digests."""
         name = self._as_name(name)
-        path = self._find_on_disk(name)
-        if path is None:
-            raise ModelNotFoundError(name.display)
-        self._inside_manifests(path)
-        old = self._manifest_at(path)
-        path.unlink()
-        self._remove_empty_manifest_dirs()
-        return self.remove_unreferenced(old.all_digests() if old else [])
+        with self.write_lock():
+            path = self._find_on_disk(name)
+            if path is None:
+                raise ModelNotFoundError(name.display)
+            self._inside_manifests(path)
+            old = self._manifest_at(path)
+            path.unlink()
+            self._remove_empty_manifest_dirs()
+            return self.remove_unreferenced(old.all_digests() if old else [])
 
     def remove_unreferenced(self, candidates: Iterable[str]) -> list[str]:
-        """Delete those of `candidates` (digests) that no manifest references any more."""
-        refs = self.referenced_digests()
-        removed = []
-        for digest in dict.fromkeys(candidates):
-            if digest not in refs:
-                path = self.blob_path(digest)
-                if path.is_file():
-                    path.unlink()
-                    removed.append(digest)
-        return removed
+        """Delete those of `candidates` (digests) that no manifest references any more (references are read under
+        the write lock, so a manifest written concurrently is always seen)."""
+        with self.write_lock():
+            refs = self.referenced_digests()
+            removed = []
+            for digest in dict.fromkeys(candidates):
+                if digest not in refs:
+                    path = self.blob_path(digest)
+                    if path.is_file():
+                        path.unlink()
+                        removed.append(digest)
+            return removed
+
+    def missing_blobs(self, manifest: Manifest) -> list[str]:
+        return [digest for digest in manifest.all_digests() if not self.has_blob(digest)]
 
     def prune(self, min_age_s: float = 3600) -> list[str]:
         """Startup pruning: remove unreferenced or misnamed files in `blobs/` older than `min_age_s`."""
-        removed: list[str] = []
         if not self.blobs_dir.is_dir():
-            return removed
+            return []
+        with self.write_lock():
+            return self._prune(min_age_s)
+
+    def _prune(self, min_age_s: float) -> list[str]:
+        removed: list[str] = []
         self.migrate_legacy_blobs()
         refs = {d.replace(":", "-") for d in self.referenced_digests()}
         now = time.time()

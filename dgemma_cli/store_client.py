@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 from dgemma_cli.client import CALL_TIMEOUT, Client
 from dgemma_cli.modelfile import Modelfile
+from dgemma_cli.store import Store
 
 UPLOAD_CHUNK = 1 << 20
 Progress = Callable[[dict[str, Any]], None]  # receives Ollama-style status objects (the progress renderer's input)
@@ -136,7 +136,8 @@ def create_request(client: Client, model: str, modelfile: Modelfile, base_dir: P
 
 @contextmanager
 def _converted(checkpoint: Path, quantize: str | None, progress: Progress) -> Iterator[Path]:
-    """Convert a checkpoint folder to a GGUF in a temporary folder (removed afterwards), with converter progress."""
+    """Convert a checkpoint folder to a GGUF in a scratch folder of the local store (removed afterwards), with
+    converter progress."""
     from dgemma_convert import convert
 
     from dgemma_cli.create import QUANTIZE_TYPES, CreateError, _converter_step
@@ -146,12 +147,13 @@ def _converted(checkpoint: Path, quantize: str | None, progress: Progress) -> It
         if quantize.lower() not in QUANTIZE_TYPES:
             raise CreateError(f"unsupported quantization type {quantize} (use one of q4_K_M, q5_K_M, q6_K, q8_0, q4_0)")
         outtype = quantize.lower()
-    with tempfile.TemporaryDirectory(prefix="dgemma-create-") as work:
-        gguf = Path(work) / f"{checkpoint.name}.gguf"
+    # Scratch inside the local store, not $TMPDIR: a killed create leaves nothing behind that the next one keeps.
+    with Store().scratch("create") as work:
+        gguf = work / f"{checkpoint.name}.gguf"
         progress({"status": "converting model"})
         steps = _converter_step("converting model",
                                 lambda sink: convert(checkpoint, gguf, outtype, threads=2, progress=sink),
-                                {str(gguf): gguf.name, str(checkpoint): checkpoint.name, work: "."})
+                                {str(gguf): gguf.name, str(checkpoint): checkpoint.name, str(work): "."})
         for event in steps:
             progress(event)
         yield gguf

@@ -1,8 +1,8 @@
 """Chat templates: render a GGUF's Jinja `tokenizer.chat_template` safely, as transformers' apply_chat_template does.
 
 Templates come from model files and Modelfiles, i.e. from strangers, so they run in jinja2's
-`ImmutableSandboxedEnvironment` (no attribute walking to Python internals, no mutation of inputs) with extra limits
-against resource abuse (huge repetitions and outputs). The helpers HF templates expect are provided with HF's
+`ImmutableSandboxedEnvironment` (no attribute walking to Python internals, no mutation of inputs) with a time and
+size budget per render (chat_budget.py) that no data-dependent branch can escape. The helpers HF templates expect are provided with HF's
 semantics: `raise_exception`, `tojson` (no HTML escaping, ensure_ascii off), `strftime_now`, `namespace` (no
 underscore names), `dict`, loop controls and the `{% generation %}` block. Inputs are copied into plain JSON values.
 """
@@ -17,18 +17,28 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from dgemma_engine.chat_budget import BudgetedSandbox, BudgetExceeded, RenderBudget, active_budget
 from dgemma_engine.errors import EngineError
 
 MAX_OUTPUT_CHARS = 4_000_000      # a rendered prompt beyond this is an attack or a mistake
-MAX_REPEAT_ITEMS = 1_000_000      # "x" * n, [..] * n
 SPECIAL_TOKEN_KEYS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "padding_token_id",
                       "unk_token": "unknown_token_id", "mask_token": "mask_token_id"}
 
 
 class ChatTemplateError(EngineError):
-    """A chat template that cannot be compiled or rendered (syntax, sandbox violation, raise_exception, limits)."""
+    """A chat template that cannot be compiled or rendered (syntax, sandbox violation, raise_exception, limits).
+
+    `detail`: the underlying failure as `ExceptionType: message` (what `create`'s template check reports)."""
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.detail = f"{type(cause).__name__}: {cause}" if cause is not None else message
+
+
+class ChatTemplateBudgetError(ChatTemplateError):
+    """A render that went over its time or size budget (or the output cap): the input's fault as much as the
+    template's, so the server answers it as a client error."""
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -65,27 +75,12 @@ class _Namespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
 
 
-class _LimitedSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox plus bounds on `*` and `**`, the cheap ways to exhaust memory or CPU."""
-
-    intercepted_binops = frozenset(["*", "**"])
+class _LimitedSandbox(BudgetedSandbox):
+    """The budgeted immutable sandbox (chat_budget.py) that also refuses, rather than hides, unsafe attributes."""
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
         # jinja2 would return a silent Undefined (rendering as ""); an attempt to reach internals is an error here.
         raise jinja2.exceptions.SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__} is unsafe")
-
-    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
-        if operator == "*":
-            for seq, n in ((left, right), (right, left)):
-                repeated = isinstance(seq, (str, list, tuple)) and isinstance(n, int)
-                if repeated and len(seq) * max(n, 0) > MAX_REPEAT_ITEMS:
-                    raise jinja2.exceptions.SecurityError("repetition result too large")
-            return left * right
-        if operator == "**":
-            if isinstance(right, int) and isinstance(left, int) and abs(right) > 1000 and abs(left) > 1:
-                raise jinja2.exceptions.SecurityError("exponent too large")
-            return left ** right
-        return super().call_binop(context, operator, left, right)
 
 
 def _raise_exception(message: str) -> None:
@@ -120,7 +115,7 @@ def _compile(template: str) -> jinja2.Template:
     try:
         return env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as exc:
-        raise ChatTemplateError(f"chat template syntax error (line {exc.lineno}): {exc.message}") from None
+        raise ChatTemplateError(f"chat template syntax error (line {exc.lineno}): {exc.message}", exc) from None
 
 
 def _plain(value: Any, depth: int = 0) -> Any:
@@ -155,22 +150,33 @@ def render_chat(template: str, messages: list[dict[str, Any]], add_generation_pr
     compiled = _compile(template)
     variables = _plain({"messages": list(messages), "tools": tools, "add_generation_prompt": add_generation_prompt,
                         "enable_thinking": enable_thinking, **extra})
+    budget = RenderBudget.start()
+    try:
+        with active_budget(budget):
+            pieces = _generate(compiled, variables)
+        if budget.exceeded is not None:  # raised inside a filter that swallowed it
+            raise budget.exceeded
+    except BudgetExceeded as exc:
+        raise ChatTemplateBudgetError(str(exc)) from None
+    except jinja2.exceptions.SecurityError as exc:
+        raise ChatTemplateError(f"chat template refused by the sandbox: {exc}", exc) from None
+    except jinja2.exceptions.TemplateError as exc:
+        raise ChatTemplateError(f"chat template error: {exc}", exc) from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError,
+            RecursionError, MemoryError) as exc:
+        raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}", exc) from None
+    return "".join(pieces)
+
+
+def _generate(compiled: jinja2.Template, variables: dict[str, Any]) -> list[str]:
     pieces: list[str] = []
     size = 0
-    try:
-        for piece in compiled.generate(**variables):
-            size += len(piece)
-            if size > MAX_OUTPUT_CHARS:
-                raise ChatTemplateError(f"chat template output exceeds {MAX_OUTPUT_CHARS} characters")
-            pieces.append(piece)
-    except jinja2.exceptions.SecurityError as exc:
-        raise ChatTemplateError(f"chat template refused by the sandbox: {exc}") from None
-    except jinja2.exceptions.TemplateError as exc:
-        raise ChatTemplateError(f"chat template error: {exc}") from None
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError,
-            RecursionError) as exc:
-        raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
-    return "".join(pieces)
+    for piece in compiled.generate(**variables):
+        size += len(piece)
+        if size > MAX_OUTPUT_CHARS:
+            raise ChatTemplateBudgetError(f"chat template output exceeds {MAX_OUTPUT_CHARS} characters")
+        pieces.append(piece)
+    return pieces
 
 
 def render_raw(prompt: str) -> str:
@@ -185,8 +191,8 @@ def special_tokens(metadata: dict[str, Any]) -> dict[str, str]:
     out = {}
     for name, key in SPECIAL_TOKEN_KEYS.items():
         i = metadata.get(f"tokenizer.ggml.{key}")
-        if i is not None and 0 <= int(i) < len(tokens):
-            out[name] = tokens[int(i)]
+        if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(tokens) and isinstance(tokens[i], str):
+            out[name] = tokens[i]  # a malformed id or vocabulary simply gives the template no such token
     return out
 
 

@@ -18,10 +18,11 @@ import math
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Sequence
 
 from dgemma_engine.errors import EngineError
+from dgemma_engine.events import CanvasEvent, DoneEvent, Event, GenerationStats, StepEvent
 from dgemma_engine.sampler import Sampler
 from dgemma_engine.settings import SamplerParams  # re-exported: callers import it from here
 
@@ -50,60 +51,6 @@ def eos_ids_from_metadata(metadata: dict[str, Any]) -> tuple[int, ...]:
         if name in tokens:
             ids.append(tokens.index(name))
     return tuple(dict.fromkeys(ids))
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Events
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    """One denoising step. argmax_ids: the current draft (what would be committed if the canvas ended here)."""
-
-    canvas_index: int
-    step: int                  # 1-based within the canvas
-    max_steps: int
-    argmax_ids: list[int]
-    mean_entropy: float
-    accepted: int              # positions that kept their sampled token
-    accepted_mask: list[bool] | None = None   # which positions those are (the CLI's live view styles them)
-
-
-@dataclass(frozen=True)
-class CanvasEvent:
-    """A committed canvas. ids/text stop before the first EOS; `canvas` is the whole committed argmax canvas."""
-
-    canvas_index: int
-    ids: list[int]
-    text: str
-    steps: int
-    canvas: list[int] = field(default_factory=list)
-    eos_position: int | None = None    # index in `canvas` of the first EOS id, if any
-
-
-@dataclass(frozen=True)
-class GenerationStats:
-    prompt_tokens: int
-    prompt_eval_s: float
-    canvases: int
-    steps_per_canvas: list[int]
-    committed_tokens: int      # tokens delivered (before the first EOS), over all canvases
-    denoise_s: float           # end of prefill -> last commit (steps, sampling and commit passes)
-    tokens_per_s: float        # committed_tokens / denoise_s
-    seed: int = 0              # the seed actually used (drawn at random when SamplerParams.seed is None)
-
-    @property
-    def steps(self) -> int:
-        return sum(self.steps_per_canvas)
-
-
-@dataclass(frozen=True)
-class DoneEvent:
-    reason: str                # "eos" | "length" | "context" | "cancelled"
-    stats: GenerationStats
-
-
-Event = StepEvent | CanvasEvent | DoneEvent
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -203,15 +203,16 @@ class Model(_Closeable):
             log.warning("%s: %s", path.name, w)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, threads: int | None = None) -> Model:
+    def load(cls, path: str | os.PathLike, threads: int | None = None, name: str | None = None) -> Model:
+        """`name`: what errors call the model (a stored model's name rather than its `sha256-…` blob file)."""
         path = Path(path)
         threads = _default_threads(threads)
         if not path.is_file():
-            raise EngineError(f"model file not found: {path}")
+            raise EngineError(f"model file not found: {name or path}")
         err = ctypes.create_string_buffer(_ERR_LEN)
         handle = _engine().dg_model_load(os.fsencode(path), threads, err, _ERR_LEN)
         if not handle:
-            raise EngineError(f"cannot load {path.name}: {_error(err)}")
+            raise EngineError(f"cannot load {name or path.name}: {_error(err)}")
         return cls(handle, path, threads)
 
     @functools.cached_property

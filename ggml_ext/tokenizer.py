@@ -42,6 +42,17 @@ class Tokenizer:
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
+        """Raises EngineError (one line) for any malformed tokenizer metadata (wrong types included)."""
+        try:
+            return cls._from_metadata(metadata)
+        except EngineError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (ints where strings belong, arrays where ints belong, ...)
+            detail = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line: HF errors span several
+            raise EngineError(f"malformed tokenizer metadata in the GGUF ({detail})"[:300]) from None
+
+    @classmethod
+    def _from_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
         model = metadata.get("tokenizer.ggml.model")
         tokens = _as_list(metadata.get("tokenizer.ggml.tokens"))
         if not tokens:

@@ -15,46 +15,11 @@ from typing import Any
 
 import httpx
 
+from dgemma_engine.events import CanvasEvent, DoneEvent, GenerationStats, StepEvent
+
 REPO = Path(__file__).resolve().parent.parent
 TOKEN_OFFSET = 1000  # fake token id = ord(char) + offset, clear of the stop ids {1, 50, 106}
 EOS = 1
-
-
-# ---- the generation loop's events, as the fake runner emits them (field names from the contract) --------------------
-
-@dataclass
-class StepEvent:
-    canvas_index: int
-    step: int
-    max_steps: int
-    argmax_ids: list[int]
-    mean_entropy: float
-    accepted: int
-
-
-@dataclass
-class CanvasEvent:
-    canvas_index: int
-    ids: list[int]
-    text: str
-    steps: int
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int
-    prompt_eval_s: float
-    canvases: int
-    steps_per_canvas: list[int]
-    committed_tokens: int
-    denoise_s: float
-    tokens_per_s: float
-
-
-@dataclass
-class DoneEvent:
-    reason: str
-    stats: GenerationStats
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dgemma_cli.server.runner import EngineRunner
 from dgemma_cli.server.scheduler import RunnerFactory, Scheduler
 from dgemma_cli.server.security import SecurityMiddleware, error_body
 from dgemma_cli.server.services import Services
-from dgemma_cli.server.streaming import error_message, error_status, is_user_error
+from dgemma_cli.server.streaming import error_message, error_status
 
 log = logging.getLogger("dgemma.server")
 
@@ -71,7 +71,7 @@ class InternalErrorMiddleware:
             log.error("internal error on %s", scope.get("path"), exc_info=exc)
             if started:
                 return
-            status = error_status(exc) if is_user_error(exc) else 500
+            status = error_status(exc)
             body = error_body(scope.get("path", ""), status, error_message(exc))
             await send({"type": "http.response.start", "status": status,
                         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})

@@ -1,7 +1,9 @@
 """One generation, independent of HTTP: prompt building, canvas budgeting, stop strings, `num_predict` cuts, metrics.
 
 Runs inside a worker thread and yields neutral outputs (`Text`, `Progress`, `Final`) that the Ollama and OpenAI route
-modules turn into their own wire shapes. Spec ollama-compat.md §2.4 (truncation), §3.3 (budget), §3.4, §3.5.
+modules turn into their own wire shapes. `Progress` and `Metrics` are the wire records themselves (dgemma_cli/wire.py):
+a step event's fields get their wire names once, in `step_progress`. Spec ollama-compat.md §2.4 (truncation), §3.3
+(budget), §3.4, §3.5.
 """
 import math
 import threading
@@ -12,6 +14,8 @@ from dataclasses import dataclass, field
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import SamplerSettings
 from dgemma_cli.server.runner import Runner
+from dgemma_cli.wire import Metrics, Progress
+from dgemma_engine.events import CanvasEvent, DoneEvent, StepEvent
 
 THOUGHT_OPEN = "<|channel>thought"
 THOUGHT_CLOSE = "<channel|>"
@@ -21,34 +25,6 @@ THOUGHT_CLOSE = "<channel|>"
 class Text:
     text: str = ""
     thinking: str = ""
-
-
-@dataclass
-class Progress:
-    completed: int
-    total: int
-    canvas: int  # 1-based
-    preview: str | None = None
-    # Live-view extras (additive, preview chunks only): the step's mean entropy and accepted count, the draft as one
-    # string per canvas position, and which positions the sampler kept (when the generation loop reports it).
-    entropy: float | None = None
-    accepted: int | None = None
-    tokens: list[str] | None = None
-    accepted_mask: list[bool] | None = None
-
-
-@dataclass
-class Metrics:
-    """Durations in integer nanoseconds (invariant 4); counts in tokens."""
-
-    total_duration: int = 0
-    load_duration: int = 0
-    prompt_eval_count: int = 0
-    prompt_eval_duration: int = 0
-    eval_count: int = 0
-    eval_duration: int = 0
-    denoise_steps: int = 0
-    canvases: int = 0
 
 
 @dataclass
@@ -77,7 +53,12 @@ def no_room_error(prompt_tokens: int, canvas: int, n_ctx: int) -> RequestError:
 
 
 def render_failed(exc: Exception) -> RequestError:
-    """Template failures (sandbox violations included) are a clean 500 without internals (§8 H 25)."""
+    """Template failures (sandbox violations included) are a clean 500 without internals (§8 H 25); a render over
+    its time or size budget is a 400 with the budget's one line: the request's data drove it there."""
+    from dgemma_engine.chat import ChatTemplateBudgetError
+
+    if isinstance(exc, ChatTemplateBudgetError):
+        return RequestError(str(exc))
     return RequestError("failed to render chat template", 500)
 
 
@@ -178,15 +159,18 @@ class ThinkingSplitter:
         return out
 
 
-def _kind(event: object) -> str:
-    """The generation loop's events, told apart by their fields (no import of dgemma_engine needed here)."""
-    if hasattr(event, "argmax_ids"):
-        return "step"
-    if hasattr(event, "ids") and hasattr(event, "text"):
-        return "canvas"
-    if hasattr(event, "reason"):
-        return "done"
-    return "unknown"
+def step_progress(runner: Runner, event: StepEvent, preview: bool) -> Progress:
+    """A step event as the wire's progress record (with the decoded draft when `preview`)."""
+    progress = Progress(completed=int(event.step), total=int(event.max_steps), canvas=int(event.canvas_index) + 1)
+    if preview:
+        draft = list(event.argmax_ids)
+        mask = event.accepted_mask
+        progress.preview = runner.detokenize(draft)
+        progress.entropy = float(event.mean_entropy)
+        progress.accepted = int(event.accepted)
+        progress.preview_tokens = [runner.detokenize([token]) for token in draft]
+        progress.preview_accepted = [bool(a) for a in mask] if mask is not None else None
+    return progress
 
 
 def _tokens_covering(runner: Runner, ids: list[int], n_chars: int) -> int:
@@ -226,46 +210,37 @@ def run_generation(
     events = runner.generate(plan.prompt_ids, sampler, plan.max_new_tokens, cancel)
     try:
         for event in events:
-            kind = _kind(event)
-            if kind == "step":
-                steps += 1
-                first_step_at = first_step_at or time.perf_counter()
-                if sampler.progress:
-                    progress = Progress(int(event.step), int(event.max_steps), int(event.canvas_index) + 1)
-                    if sampler.preview:
-                        draft = list(event.argmax_ids)
-                        mask = getattr(event, "accepted_mask", None)
-                        progress.preview = runner.detokenize(draft)
-                        progress.entropy = float(event.mean_entropy)
-                        progress.accepted = int(event.accepted)
-                        progress.tokens = [runner.detokenize([token]) for token in draft]
-                        progress.accepted_mask = [bool(a) for a in mask] if mask is not None else None
-                    yield progress
-            elif kind == "canvas":
-                canvases += 1
-                last_commit_at = time.perf_counter()
-                ids = list(event.ids)  # committed tokens, already cut before the first EOS
-                text = event.text
-                cut = plan.token_limit is not None and len(answer_ids) + len(ids) >= plan.token_limit
-                if cut:
-                    ids = ids[: plan.token_limit - len(answer_ids)]
-                    full = runner.detokenize(answer_ids + ids)
-                    text = full[len(streamed) :] if full.startswith(streamed) else ""
-                answer_ids += ids
-                streamed += text
-                visible, stop_matched = stop.feed(text)
-                delivered += len(visible)
-                if visible:
-                    yield thinking.feed(visible)
-                if stop_matched:
-                    reason = "stop"
-                    break
-                if cut:
-                    reason = "length"
-                    break
-            elif kind == "done":
-                stats = getattr(event, "stats", None)
-                reason = {"eos": "stop", "cancelled": "cancelled"}.get(event.reason, "length")
+            match event:
+                case StepEvent():
+                    steps += 1
+                    first_step_at = first_step_at or time.perf_counter()
+                    if sampler.progress:
+                        yield step_progress(runner, event, sampler.preview)
+                case CanvasEvent():
+                    canvases += 1
+                    last_commit_at = time.perf_counter()
+                    ids = list(event.ids)  # committed tokens, already cut before the first EOS
+                    text = event.text
+                    cut = plan.token_limit is not None and len(answer_ids) + len(ids) >= plan.token_limit
+                    if cut:
+                        ids = ids[: plan.token_limit - len(answer_ids)]
+                        full = runner.detokenize(answer_ids + ids)
+                        text = full[len(streamed) :] if full.startswith(streamed) else ""
+                    answer_ids += ids
+                    streamed += text
+                    visible, stop_matched = stop.feed(text)
+                    delivered += len(visible)
+                    if visible:
+                        yield thinking.feed(visible)
+                    if stop_matched:
+                        reason = "stop"
+                        break
+                    if cut:
+                        reason = "length"
+                        break
+                case DoneEvent():
+                    stats = event.stats
+                    reason = {"eos": "stop", "cancelled": "cancelled"}.get(event.reason, "length")
     finally:
         close = getattr(events, "close", None)
         if close is not None:

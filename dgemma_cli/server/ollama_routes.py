@@ -1,6 +1,5 @@
 """Native Ollama API (spec ollama-compat.md §2): inference, info and store endpoints."""
 import asyncio
-import functools
 import hashlib
 import logging
 import shutil
@@ -12,19 +11,22 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from dgemma_cli import wire
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.server import gotemplate, inference, schemas
 from dgemma_cli.server.durations import parse_keep_alive
 from dgemma_cli.server.errors import NotFound, RequestError
 from dgemma_cli.server.inference import Final, Progress, Text
-from dgemma_cli.server.options import check_options, precheck_sampler, resolve_sampler
-from dgemma_cli.server.runner import ChatTemplate, render_prompt
-from dgemma_cli.server.services import Services, ResolvedModel, services
+from dgemma_cli.server.jobs import Job, admitted, common_checks, render_messages, with_model_messages
+from dgemma_cli.server.options import check_options
+from dgemma_cli.server.runner import ChatTemplate
+from dgemma_cli.server.services import ResolvedModel, Services, services
 from dgemma_cli.server.streaming import (
     NDJSON,
     GuardedStreamingResponse,
     WorkerStream,
     collect,
+    guarded_stream,
     json_line,
     stream_error_line,
     timestamp,
@@ -36,26 +38,15 @@ log = logging.getLogger("dgemma.server")
 router = APIRouter()
 
 ERRORS = {
-    400: {"model": schemas.ErrorResponse, "description": "invalid request"},
-    404: {"model": schemas.ErrorResponse, "description": "model not found"},
+    400: {"model": wire.ErrorResponse, "description": "invalid request"},
+    404: {"model": wire.ErrorResponse, "description": "model not found"},
 }
 INFERENCE_ERRORS = {
     **ERRORS,
-    499: {"model": schemas.ErrorResponse, "description": "client left while queued"},
-    500: {"model": schemas.ErrorResponse, "description": "internal error (load failure, template failure)"},
-    503: {"model": schemas.ErrorResponse, "description": "queue full"},
+    499: {"model": wire.ErrorResponse, "description": "client left while queued"},
+    500: {"model": wire.ErrorResponse, "description": "internal error (load failure, template failure)"},
+    503: {"model": wire.ErrorResponse, "description": "queue full"},
 }
-
-
-def admitted(handler):
-    """Inference handlers count against DGEMMA_MAX_QUEUE from arrival until they hold a slot (§7)."""
-
-    @functools.wraps(handler)
-    async def wrapper(req, request: Request):
-        with services(request).scheduler.admission():
-            return await handler(req, request)
-
-    return wrapper
 
 
 def _stream_flag(value: bool | None) -> bool:
@@ -77,49 +68,14 @@ async def root() -> PlainTextResponse:
     return PlainTextResponse("Ollama is running")
 
 
-@router.get("/api/version", response_model=schemas.VersionResponse)
+@router.get("/api/version", response_model=wire.VersionResponse)
 @router.head("/api/version", include_in_schema=False)
 async def version(request: Request) -> JSONResponse:
     svc = services(request)
-    return JSONResponse({"version": svc.config.compat_version, "dgemma_version": svc.dgemma_version})
+    return JSONResponse(wire.VersionResponse(version=svc.config.compat_version, dgemma_version=svc.dgemma_version).wire())
 
 
 # ---- inference ----------------------------------------------------------------------------------------------------
-
-def _common_checks(model: ResolvedModel, fmt: Any, logprobs: bool | None, top_logprobs: int | None) -> None:
-    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
-        raise RequestError("top_logprobs must be between 0 and 20")
-    if logprobs or (top_logprobs or 0) > 0:
-        raise RequestError(f"{model.quoted} does not support logprobs")
-    if fmt not in (None, "", {}):
-        raise RequestError(f"{model.quoted} does not support structured outputs")
-
-
-def _think_flag(model: ResolvedModel, think: bool | str | None, has_thinking: bool) -> bool | None:
-    if think is None or think is False:
-        return None if think is None else False
-    if isinstance(think, str) and think.lower() not in ("true", "low", "medium", "high", "max"):
-        if think.lower() == "false":
-            return False
-        raise RequestError(f'invalid think value: "{think}" (must be true, false, high, medium, low, or max)')
-    if not has_thinking:
-        raise RequestError(f"{model.quoted} does not support thinking")
-    return True
-
-
-def _metrics(final: Final) -> dict[str, Any]:
-    m = final.metrics
-    return {
-        "total_duration": m.total_duration,
-        "load_duration": m.load_duration,
-        "prompt_eval_count": m.prompt_eval_count,
-        "prompt_eval_duration": m.prompt_eval_duration,
-        "eval_count": m.eval_count,
-        "eval_duration": m.eval_duration,
-        "denoise_steps": m.denoise_steps,
-        "canvases": m.canvases,
-    }
-
 
 async def _load_or_unload(svc: Services, model: ResolvedModel, keep_alive: float | None, num_ctx: int, chat: bool, request: Request) -> dict:
     """Empty prompt / messages: load only, or unload with `keep_alive: 0` (§2.5)."""
@@ -132,65 +88,33 @@ async def _load_or_unload(svc: Services, model: ResolvedModel, keep_alive: float
         )
         lease.release()
         reason = "load"
-    body: dict[str, Any] = {"model": model.display, "created_at": timestamp()}
+    return _answer_line(model, chat, "", "", True, done_reason=reason)
+
+
+def _answer_line(model: ResolvedModel, chat: bool, text: str, thinking: str, done: bool, **fields: Any) -> dict[str, Any]:
+    """One /api/generate or /api/chat object: the text in `response` (generate) or in `message` (chat), `thinking`
+    only when there is some, then `fields` (the final chunk's reason and metrics, or a step's progress)."""
+    head = {"model": model.display, "created_at": timestamp(), "done": done}
     if chat:
-        body["message"] = {"role": "assistant", "content": ""}
-    else:
-        body["response"] = ""
-    body.update(done=True, done_reason=reason)
-    return body
-
-
-class _Job:
-    """What a generate/chat request resolved to once its model is resident."""
-
-    def __init__(self, svc: Services, model: ResolvedModel, options: dict, keep_alive: float | None):
-        self.svc = svc
-        self.model = model
-        self.options = options
-        self.keep_alive = keep_alive
-        self.num_ctx = svc.num_ctx(model, options)
-        precheck_sampler(options, svc.config.max_steps)  # a bad option is a 400 before any model load
-        self.started = time.perf_counter()
-
-    async def start(self, request: Request, build_prompt, think) -> WorkerStream:
-        """Queue for the model, render the prompt, plan the canvases: every 4xx happens before the first byte."""
-        lease = await until_disconnected(
-            request, self.svc.scheduler.acquire(self.model.display, self.model.local, self.num_ctx, self.keep_alive)
-        )
-        try:
-            runner = lease.runner
-            sampler = resolve_sampler(self.options, runner.metadata, self.svc.config.max_steps)
-            thinking = _think_flag(self.model, think, runner.has_thinking)
-            prompt_ids = await asyncio.to_thread(build_prompt, runner, thinking)
-            plan = inference.plan_generation(runner, prompt_ids, sampler, self.svc.config.max_canvases)
-        except BaseException:
-            lease.release()
-            raise
-        load_s = lease.load_seconds
-
-        def produce(cancel: threading.Event):
-            return inference.run_generation(runner, plan, sampler, cancel, bool(thinking), self.started, load_s)
-
-        return WorkerStream(produce, lambda failed: lease.release(failed))
+        message = wire.ChatResponseMessage(role="assistant", content=text, thinking=thinking or None)
+        return wire.ChatResponse(**head, message=message, **fields).wire()
+    return wire.GenerateResponse(**head, response=text, thinking=thinking or None, **fields).wire()
 
 
 def _ndjson(stream: WorkerStream, render, source=None) -> GuardedStreamingResponse:
-    async def body():
-        try:
-            async for item in source if source is not None else stream:
-                line = render(item)
-                if line is not None:
-                    yield json_line(line)
-        except Exception as exc:  # noqa: BLE001  (after the first byte an error is one more line, §2.1)
-            yield json_line(stream_error_line(exc))
-        finally:
-            stream.stop()
+    """NDJSON of `render(item)` for each item (None: nothing sent); an error after the first byte is one more line
+    (§2.1)."""
 
-    return GuardedStreamingResponse(body(), cleanup=stream.stop, media_type=NDJSON)
+    async def lines():
+        async for item in source if source is not None else stream:
+            line = render(item)
+            if line is not None:
+                yield json_line(line)
+
+    return guarded_stream(stream, lines(), lambda exc: json_line(stream_error_line(exc)), NDJSON)
 
 
-@router.post("/api/generate", response_model=schemas.GenerateResponse, responses=INFERENCE_ERRORS)
+@router.post("/api/generate", response_model=wire.GenerateResponse, responses=INFERENCE_ERRORS)
 @admitted
 async def generate(req: schemas.GenerateRequest, request: Request):
     svc = services(request)
@@ -201,13 +125,13 @@ async def generate(req: schemas.GenerateRequest, request: Request):
         raise RequestError(f"{model.full} does not support insert")
     if req.images:
         raise RequestError(f"{model.full} does not support vision")
-    _common_checks(model, req.format, req.logprobs, req.top_logprobs)
+    common_checks(model, req.format, req.logprobs, req.top_logprobs)
     options = svc.merged_options(model, req.options)
     if req.steps is not None:
         options["diffusion_steps"] = check_options({"diffusion_steps": req.steps})["diffusion_steps"]
     keep_alive = _keep_alive(req.keep_alive)
     if not req.prompt:
-        job = _Job(svc, model, options, keep_alive)
+        job = Job(svc, model, options, keep_alive)
         return JSONResponse(await _load_or_unload(svc, model, keep_alive, job.num_ctx, chat=False, request=request))
 
     system = req.system if req.system is not None else model.local.system
@@ -222,10 +146,10 @@ async def generate(req: schemas.GenerateRequest, request: Request):
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": req.prompt}
             ]
-            text = _render(runner, messages, thinking, override)
+            text = render_messages(runner, messages, thinking, override)
         return context + runner.tokenize(text)
 
-    job = _Job(svc, model, options, keep_alive)
+    job = Job(svc, model, options, keep_alive)
     stream = await job.start(request, build_prompt, req.think)
     return await _answer(request, stream, model, req.stream, chat=False, with_context=not req.raw)
 
@@ -236,7 +160,7 @@ def _request_template(text: str) -> ChatTemplate:
     from dgemma_cli.create import template_format
 
     if template_format(text) == "jinja":
-        return ChatTemplate("jinja", text)
+        return ChatTemplate("jinja", text, from_request=True)
     try:
         gotemplate.parse(text)
     except gotemplate.UnsupportedTemplate as exc:
@@ -244,18 +168,7 @@ def _request_template(text: str) -> ChatTemplate:
     return ChatTemplate("go", text)
 
 
-def _render(runner, messages: list[dict], thinking: bool | None, override: ChatTemplate | None = None) -> str:
-    try:
-        if override is not None:
-            return render_prompt(override, messages, thinking, getattr(runner, "special_tokens", None))
-        return runner.render_chat(messages, thinking)
-    except RequestError:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        raise inference.render_failed(exc) from None
-
-
-@router.post("/api/chat", response_model=schemas.ChatResponse, responses=INFERENCE_ERRORS)
+@router.post("/api/chat", response_model=wire.ChatResponse, responses=INFERENCE_ERRORS)
 @admitted
 async def chat(req: schemas.ChatRequest, request: Request):
     svc = services(request)
@@ -271,11 +184,11 @@ async def chat(req: schemas.ChatRequest, request: Request):
         message.setdefault("content", "")
     if req.tools:
         raise RequestError(f"{model.full} does not support tools")
-    _common_checks(model, req.format, req.logprobs, req.top_logprobs)
+    common_checks(model, req.format, req.logprobs, req.top_logprobs)
     options = svc.merged_options(model, req.options)
     keep_alive = _keep_alive(req.keep_alive)
     if not messages:
-        job = _Job(svc, model, options, keep_alive)
+        job = Job(svc, model, options, keep_alive)
         return JSONResponse(await _load_or_unload(svc, model, keep_alive, job.num_ctx, chat=True, request=request))
 
     conversation = with_model_messages(model, messages)
@@ -284,17 +197,9 @@ async def chat(req: schemas.ChatRequest, request: Request):
     def build_prompt(runner, thinking):
         return inference.chat_prompt(runner, conversation, thinking, truncate)
 
-    job = _Job(svc, model, options, keep_alive)
+    job = Job(svc, model, options, keep_alive)
     stream = await job.start(request, build_prompt, req.think)
     return await _answer(request, stream, model, req.stream, chat=True, with_context=False)
-
-
-def with_model_messages(model: ResolvedModel, messages: list[dict]) -> list[dict]:
-    """Modelfile MESSAGEs first; the model SYSTEM leads unless the request starts with its own system message."""
-    preset = [dict(m) for m in model.local.messages or []]
-    if model.local.system and not (messages and messages[0]["role"] == "system"):
-        preset.insert(0, {"role": "system", "content": model.local.system})
-    return preset + messages
 
 
 def _keep_alive(value: Any) -> float | None:
@@ -305,41 +210,17 @@ def _keep_alive(value: Any) -> float | None:
 
 
 async def _answer(request: Request, stream: WorkerStream, model: ResolvedModel, stream_flag, chat: bool, with_context: bool):
-    def base() -> dict[str, Any]:
-        return {"model": model.display, "created_at": timestamp()}
-
-    def payload(obj: dict[str, Any], text: str, thinking: str = "") -> dict[str, Any]:
-        if chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if thinking:
-                message["thinking"] = thinking
-            obj["message"] = message
-        else:
-            obj["response"] = text
-            if thinking:
-                obj["thinking"] = thinking
-        return obj
-
     def final(item: Final, text: str = "", thinking: str = "") -> dict[str, Any]:
-        obj = payload(base(), text, thinking)
-        obj.update(done=True, done_reason=item.done_reason)
-        if with_context:
-            obj["context"] = item.context
-        obj.update(_metrics(item))
-        return obj
+        context = {"context": item.context} if with_context else {}
+        return _answer_line(model, chat, text, thinking, True, done_reason=item.done_reason, **context,
+                            **item.metrics.model_dump())
 
     if _stream_flag(stream_flag):
         def render(item):
             if isinstance(item, Text):
-                return {**payload(base(), item.text, item.thinking), "done": False}
+                return _answer_line(model, chat, item.text, item.thinking, False)
             if isinstance(item, Progress):
-                obj = {**payload(base(), ""), "done": False, "completed": item.completed, "total": item.total, "canvas": item.canvas}
-                if item.preview is not None:
-                    obj["preview"] = item.preview
-                    extras = {"entropy": item.entropy, "accepted": item.accepted, "preview_tokens": item.tokens,
-                              "preview_accepted": item.accepted_mask}
-                    obj.update({key: value for key, value in extras.items() if value is not None})
-                return obj
+                return _answer_line(model, chat, "", "", False, **item.model_dump())
             if isinstance(item, Final):
                 return final(item)
             return None
@@ -357,28 +238,27 @@ async def _answer(request: Request, stream: WorkerStream, model: ResolvedModel, 
 
 # ---- info ---------------------------------------------------------------------------------------------------------
 
-@router.get("/api/tags", response_model=schemas.TagsResponse)
+@router.get("/api/tags", response_model=wire.TagsResponse)
 @router.head("/api/tags", include_in_schema=False)
 async def tags(request: Request) -> JSONResponse:
     svc = services(request)
     entries = await asyncio.to_thread(svc.store.list_models)
-    return JSONResponse({
-        "models": [
-            {
-                "name": e.name,
-                "model": e.name,
-                "modified_at": timestamp_of(e.modified),
-                "size": e.size,
-                "digest": e.digest,
-                "details": svc.details(e.details),
-                "capabilities": ["completion", "diffusion"] if e.details.get("family") == "diffusion-gemma" else ["completion"],
-            }
-            for e in entries
-        ]
-    })
+    listed = [
+        wire.ListedModel(
+            name=e.name,
+            model=e.name,
+            modified_at=timestamp_of(e.modified),
+            size=e.size,
+            digest=e.digest,
+            details=svc.details(e.details),
+            capabilities=["completion", "diffusion"] if e.details.get("family") == "diffusion-gemma" else ["completion"],
+        )
+        for e in entries
+    ]
+    return JSONResponse(wire.TagsResponse(models=listed).wire())
 
 
-@router.get("/api/ps", response_model=schemas.PsResponse)
+@router.get("/api/ps", response_model=wire.PsResponse)
 async def ps(request: Request) -> JSONResponse:
     svc = services(request)
     now = time.time()
@@ -387,25 +267,26 @@ async def ps(request: Request) -> JSONResponse:
         runner = resident.runner
         local = resident.model
         models.append(
-            {
-                "name": resident.name,
-                "model": resident.name,
-                "size": int(getattr(runner, "size", 0)),
-                "digest": str(getattr(local, "manifest_digest", "")).removeprefix("sha256:"),
-                "details": svc.details_of(local),
-                "expires_at": timestamp_of(resident.expiry_for_ps(now)),
-                "size_vram": int(getattr(runner, "size_vram", 0)),
-                "context_length": int(getattr(runner, "context_length", resident.num_ctx)),
-            }
+            wire.RunningModel(
+                name=resident.name,
+                model=resident.name,
+                size=int(getattr(runner, "size", 0)),
+                digest=str(getattr(local, "manifest_digest", "")).removeprefix("sha256:"),
+                details=svc.details_of(local),
+                expires_at=timestamp_of(resident.expiry_for_ps(now)),
+                size_vram=int(getattr(runner, "size_vram", 0)),
+                context_length=int(getattr(runner, "context_length", resident.num_ctx)),
+            )
         )
-    return JSONResponse({"models": models})
+    return JSONResponse(wire.PsResponse(models=models).wire())
 
 
-@router.post("/api/show", response_model=schemas.ShowResponse, responses=ERRORS)
+@router.post("/api/show", response_model=wire.ShowResponse, responses=ERRORS)
 async def show(req: schemas.ShowRequest, request: Request) -> JSONResponse:
     svc = services(request)
     model = await svc.resolve(_model_text(req.model, req.name))
-    return JSONResponse(await asyncio.to_thread(svc.show, model, bool(req.verbose)))
+    answer = await asyncio.to_thread(svc.show, model, bool(req.verbose))
+    return JSONResponse(answer.wire())
 
 
 # ---- store --------------------------------------------------------------------------------------------------------
@@ -415,7 +296,7 @@ def _check_writable(svc: Services) -> None:
         raise RequestError("server is read-only", 403)
 
 
-@router.post("/api/pull", response_model=schemas.StatusResponse, responses={**ERRORS, 502: {"model": schemas.ErrorResponse}})
+@router.post("/api/pull", response_model=wire.StatusResponse, responses={**ERRORS, 502: {"model": wire.ErrorResponse}})
 async def pull(req: schemas.PullRequest, request: Request):
     svc = services(request)
     _check_writable(svc)
@@ -449,7 +330,7 @@ async def _progress_answer(request: Request, stream: WorkerStream, stream_flag: 
 
         return _ndjson(stream, lambda item: item, statuses())
     items = await collect(request, stream)
-    return JSONResponse(items[-1] if items else {"status": "success"})
+    return JSONResponse(items[-1] if items else wire.StatusResponse(status="success").wire())
 
 
 def _clean_relative(name: str) -> bool:
@@ -459,7 +340,7 @@ def _clean_relative(name: str) -> bool:
     return not path.is_absolute() and ".." not in path.parts and name not in (".",)
 
 
-@router.post("/api/create", response_model=schemas.StatusResponse, responses=ERRORS)
+@router.post("/api/create", response_model=wire.StatusResponse, responses=ERRORS)
 async def create(req: schemas.CreateRequest, request: Request):
     svc = services(request)
     _check_writable(svc)
@@ -491,7 +372,7 @@ async def blob_exists(digest: str, request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.post("/api/blobs/{digest}", status_code=201, responses={**ERRORS, 413: {"model": schemas.ErrorResponse}})
+@router.post("/api/blobs/{digest}", status_code=201, responses={**ERRORS, 413: {"model": wire.ErrorResponse}})
 async def blob_upload(digest: str, request: Request) -> Response:
     svc = services(request)
     _check_writable(svc)
@@ -568,9 +449,9 @@ async def delete(req: schemas.DeleteRequest, request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.post("/api/push", status_code=501, responses={501: {"model": schemas.ErrorResponse}})
+@router.post("/api/push", status_code=501, responses={501: {"model": wire.ErrorResponse}})
 async def push() -> JSONResponse:
-    return JSONResponse({"error": "push is not supported"}, status_code=501)
+    return JSONResponse(wire.ErrorResponse(error="push is not supported").wire(), status_code=501)
 
 
 @router.post("/api/embed", responses=ERRORS)

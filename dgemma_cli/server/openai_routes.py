@@ -11,10 +11,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from dgemma_cli import wire
 from dgemma_cli.server import inference, schemas
 from dgemma_cli.server.errors import NotFound, RequestError
 from dgemma_cli.server.inference import Final, Text
-from dgemma_cli.server.ollama_routes import _common_checks, _Job, _render, admitted, with_model_messages
+from dgemma_cli.server.jobs import Job, admitted, common_checks, render_messages, with_model_messages
 from dgemma_cli.server.services import services
 from dgemma_cli.server.streaming import (
     SSE,
@@ -22,15 +23,16 @@ from dgemma_cli.server.streaming import (
     WorkerStream,
     collect,
     error_message,
+    guarded_stream,
     sse_event,
 )
 
 router = APIRouter(prefix="/v1")
 ERRORS = {
-    400: {"model": schemas.OpenAIError},
-    404: {"model": schemas.OpenAIError},
-    500: {"model": schemas.OpenAIError},
-    503: {"model": schemas.OpenAIError},
+    400: {"model": wire.OpenAIError},
+    404: {"model": wire.OpenAIError},
+    500: {"model": wire.OpenAIError},
+    503: {"model": wire.OpenAIError},
 }
 FINGERPRINT = "fp_dgemma"
 
@@ -53,10 +55,16 @@ def _finish_reason(final: Final | None) -> str:
     return "length" if final is not None and final.done_reason == "length" else "stop"
 
 
-def _usage(final: Final | None) -> dict[str, int]:
+def _usage(final: Final | None) -> wire.Usage:
     prompt = final.metrics.prompt_eval_count if final else 0
     completion = final.metrics.eval_count if final else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return wire.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _head(prefix: str, model) -> dict[str, Any]:
+    """The fields every completion object and chunk of one answer share (one id, one creation time)."""
+    return {"id": prefix + secrets.token_hex(12), "created": int(time.time()), "model": model.display,
+            "system_fingerprint": FINGERPRINT}
 
 
 def _message_text(model, message: schemas.OpenAIMessage) -> str:
@@ -81,26 +89,27 @@ async def _prepare(request: Request, req: Any, build_prompt, max_tokens: int | N
         raise RequestError("n greater than 1 is not supported")
     model = await svc.resolve_runnable(req.model)
     options = svc.merged_options(model, _options(req, max_tokens))
-    job = _Job(svc, model, options, None)
+    job = Job(svc, model, options, None)
     stream = await job.start(request, build_prompt, think)
     return model, stream
 
 
 def _sse(stream: WorkerStream, events) -> GuardedStreamingResponse:
-    async def body():
-        try:
-            async for chunk in events():
-                yield sse_event(chunk)
-            yield sse_event("[DONE]")
-        except Exception as exc:  # noqa: BLE001  (mid-stream: an error event, then close)
-            yield sse_event({"error": {"message": error_message(exc), "type": "api_error", "param": None, "code": None}})
-        finally:
-            stream.stop()
+    """Server-sent events of the `events()` chunks, then `[DONE]`; mid-stream: an error event, then close."""
 
-    return GuardedStreamingResponse(body(), cleanup=stream.stop, media_type=SSE)
+    async def frames():
+        async for chunk in events():
+            yield sse_event(chunk.wire())
+        yield sse_event("[DONE]")
+
+    def error_frame(exc: Exception) -> bytes:
+        error = wire.OpenAIError(error=wire.OpenAIErrorBody(message=error_message(exc), type="api_error"))
+        return sse_event(error.wire())
+
+    return guarded_stream(stream, frames(), error_frame, SSE)
 
 
-@router.post("/chat/completions", response_model=schemas.ChatCompletion, responses=ERRORS)
+@router.post("/chat/completions", response_model=wire.ChatCompletion, responses=ERRORS)
 @admitted
 async def chat_completions(req: schemas.ChatCompletionRequest, request: Request):
     if not req.messages:
@@ -112,7 +121,7 @@ async def chat_completions(req: schemas.ChatCompletionRequest, request: Request)
     fmt = None
     if req.response_format is not None and req.response_format.type != "text":
         fmt = "json"
-    _common_checks(model_probe, fmt, req.logprobs, req.top_logprobs)
+    common_checks(model_probe, fmt, req.logprobs, req.top_logprobs)
     messages = []
     for message in req.messages:
         role = message.role.lower()
@@ -126,64 +135,39 @@ async def chat_completions(req: schemas.ChatCompletionRequest, request: Request)
         return inference.chat_prompt(runner, messages, thinking, True)
 
     model, stream = await _prepare(request, req, build_prompt, req.max_completion_tokens or req.max_tokens, think)
-    completion_id = "chatcmpl-" + secrets.token_hex(12)
-    created = int(time.time())
-
-    def chunk(delta: dict[str, Any] | None, finish: str | None, **extra: Any) -> dict[str, Any]:
-        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
-        return {
-            "id": completion_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model.display,
-            "system_fingerprint": FINGERPRINT,
-            "choices": choices,
-            **extra,
-        }
+    head = _head("chatcmpl-", model)
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
+        def chunk(delta: wire.ChatDelta, finish: str | None) -> wire.ChatCompletionChunk:
+            return wire.ChatCompletionChunk(**head, choices=[wire.ChatChunkChoice(index=0, delta=delta,
+                                                                                  finish_reason=finish)])
+
         async def events():
-            yield chunk({"role": "assistant", "content": ""}, None)
+            yield chunk(wire.ChatDelta(role="assistant", content=""), None)
             final = None
             async for item in stream:
                 if isinstance(item, Text):
-                    delta: dict[str, Any] = {}
-                    if item.thinking:
-                        delta["reasoning"] = item.thinking
-                    if item.text:
-                        delta["content"] = item.text
-                    if delta:
-                        yield chunk(delta, None)
+                    if item.thinking or item.text:
+                        yield chunk(wire.ChatDelta(reasoning=item.thinking or None, content=item.text or None), None)
                 elif isinstance(item, Final):
                     final = item
-            yield chunk({}, _finish_reason(final))
+            yield chunk(wire.ChatDelta(), _finish_reason(final))
             if include_usage:
-                yield chunk(None, None, usage=_usage(final))
+                yield wire.ChatCompletionChunk(**head, choices=[], usage=_usage(final))
 
         return _sse(stream, events)
 
     items = await collect(request, stream)
     final = next((i for i in reversed(items) if isinstance(i, Final)), None)
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(i.text for i in items if isinstance(i, Text))}
-    reasoning = "".join(i.thinking for i in items if isinstance(i, Text))
-    if reasoning:
-        message["reasoning"] = reasoning
-    return JSONResponse(
-        {
-            "id": completion_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model.display,
-            "system_fingerprint": FINGERPRINT,
-            "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(final)}],
-            "usage": _usage(final),
-        }
-    )
+    message = wire.ChatCompletionMessage(role="assistant", content="".join(i.text for i in items if isinstance(i, Text)),
+                                         reasoning="".join(i.thinking for i in items if isinstance(i, Text)) or None)
+    choice = wire.ChatCompletionChoice(index=0, message=message, finish_reason=_finish_reason(final))
+    return JSONResponse(wire.ChatCompletion(**head, choices=[choice], usage=_usage(final)).wire())
 
 
-@router.post("/completions", response_model=schemas.Completion, responses=ERRORS)
+@router.post("/completions", response_model=wire.Completion, responses=ERRORS)
 @admitted
 async def completions(req: schemas.CompletionRequest, request: Request):
     svc = services(request)
@@ -197,23 +181,14 @@ async def completions(req: schemas.CompletionRequest, request: Request):
     messages = with_model_messages(model_probe, [{"role": "user", "content": prompt}])
 
     def build_prompt(runner, thinking):
-        return runner.tokenize(_render(runner, messages, thinking))
+        return runner.tokenize(render_messages(runner, messages, thinking))
 
     model, stream = await _prepare(request, req, build_prompt, req.max_tokens, None)
-    completion_id = "cmpl-" + secrets.token_hex(12)
-    created = int(time.time())
+    head = _head("cmpl-", model)
 
-    def chunk(text: str | None, finish: str | None, **extra: Any) -> dict[str, Any]:
-        choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish}]
-        return {
-            "id": completion_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model.display,
-            "system_fingerprint": FINGERPRINT,
-            "choices": choices,
-            **extra,
-        }
+    def completion(text: str | None, finish: str | None, usage: wire.Usage | None = None) -> wire.Completion:
+        choices = [] if text is None else [wire.CompletionChoice(index=0, text=text, finish_reason=finish)]
+        return wire.Completion(**head, choices=choices, usage=usage)
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -222,53 +197,38 @@ async def completions(req: schemas.CompletionRequest, request: Request):
             final = None
             async for item in stream:
                 if isinstance(item, Text) and item.text:
-                    yield chunk(item.text, None)
+                    yield completion(item.text, None)
                 elif isinstance(item, Final):
                     final = item
-            yield chunk("", _finish_reason(final))
+            yield completion("", _finish_reason(final))
             if include_usage:
-                yield chunk(None, None, usage=_usage(final))
+                yield completion(None, None, _usage(final))
 
         return _sse(stream, events)
 
     items = await collect(request, stream)
     final = next((i for i in reversed(items) if isinstance(i, Final)), None)
     text = "".join(i.text for i in items if isinstance(i, Text))
-    return JSONResponse(
-        {
-            "id": completion_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model.display,
-            "system_fingerprint": FINGERPRINT,
-            "choices": [{"index": 0, "text": text, "finish_reason": _finish_reason(final)}],
-            "usage": _usage(final),
-        }
-    )
+    return JSONResponse(completion(text, _finish_reason(final), _usage(final)).wire())
 
 
-def _model_card(entry) -> dict[str, Any]:
-    return {
-        "id": entry.name,
-        "object": "model",
-        "created": int(entry.modified),
-        "owned_by": entry.model_name.namespace,
-    }
+def _model_card(entry) -> wire.OpenAIModel:
+    return wire.OpenAIModel(id=entry.name, created=int(entry.modified), owned_by=entry.model_name.namespace)
 
 
-@router.get("/models", response_model=schemas.OpenAIModelList, responses=ERRORS)
+@router.get("/models", response_model=wire.OpenAIModelList, responses=ERRORS)
 async def list_models(request: Request) -> JSONResponse:
     entries = await asyncio.to_thread(services(request).store.list_models)
-    return JSONResponse({"object": "list", "data": [_model_card(e) for e in entries]})
+    return JSONResponse(wire.OpenAIModelList(data=[_model_card(e) for e in entries]).wire())
 
 
-@router.get("/models/{model:path}", response_model=schemas.OpenAIModel, responses=ERRORS)
+@router.get("/models/{model:path}", response_model=wire.OpenAIModel, responses=ERRORS)
 async def retrieve_model(model: str, request: Request) -> JSONResponse:
     svc = services(request)
     name = svc.parse_name(model)
     for entry in await asyncio.to_thread(svc.store.list_models):
         if entry.model_name.key() == name.key():
-            return JSONResponse(_model_card(entry))
+            return JSONResponse(_model_card(entry).wire())
     raise NotFound(f"model '{model}' not found")
 
 

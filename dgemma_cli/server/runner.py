@@ -34,7 +34,7 @@ class Runner(Protocol):
     def generate(
         self, prompt_ids: list[int], sampler: SamplerSettings, max_new_tokens: int, cancel: threading.Event
     ) -> Iterator[Any]:
-        """Yields the generation loop's StepEvent / CanvasEvent / DoneEvent (duck-typed by their fields)."""
+        """Yields the generation loop's StepEvent / CanvasEvent / DoneEvent (`dgemma_engine.events`)."""
         ...
 
     def close(self) -> None: ...
@@ -47,6 +47,7 @@ log = logging.getLogger("dgemma.server")
 class ChatTemplate:
     kind: str  # "jinja" | "go" | "none"
     text: str = ""
+    from_request: bool = False  # a per-request `template`: its failures are the client's (400), not the model's
 
 
 def select_template(local_model: Any, metadata: dict) -> ChatTemplate:
@@ -71,10 +72,17 @@ def render_prompt(template: ChatTemplate, messages: list[dict], think: bool | No
                   special_tokens: dict[str, str] | None = None) -> str:
     """`special_tokens`: bos_token, eos_token, ... as HF passes them to templates (`{{ bos_token }}` starts a prompt)."""
     if template.kind == "jinja":
-        from dgemma_engine.chat import render_chat
+        from dgemma_engine.chat import ChatTemplateBudgetError, ChatTemplateError, render_chat
 
-        return render_chat(template.text, messages, add_generation_prompt=True, enable_thinking=bool(think),
-                           **(special_tokens or {}))
+        try:
+            return render_chat(template.text, messages, add_generation_prompt=True, enable_thinking=bool(think),
+                               **(special_tokens or {}))
+        except ChatTemplateBudgetError:
+            raise
+        except ChatTemplateError as exc:
+            if template.from_request:
+                raise RequestError(f"template error: {exc.detail}"[:300]) from None
+            raise
     if template.kind == "go":
         return gotemplate.render_messages(template.text, messages)
     return "\n".join(str(m.get("content") or "") for m in messages)  # rule 4: the bare prompt
@@ -93,7 +101,8 @@ class EngineRunner:
         self.threads = threads
         self._lock = threading.Lock()
         self._contexts: list[Any] = []
-        self.model = Model.load(str(local_model.gguf_path), threads=threads)
+        self.model = Model.load(str(local_model.gguf_path), threads=threads,
+                                name=f"model '{local_model.name}'" if getattr(local_model, "name", None) else None)
         try:
             hparams = self.model.hparams
             self.metadata = dict(self.model.metadata)

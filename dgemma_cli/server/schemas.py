@@ -1,10 +1,9 @@
-"""Request and response models of the REST API, which also make the OpenAPI schema.
+"""Request models of the REST API, which also make the OpenAPI schema (the answers are in dgemma_cli/wire.py).
 
 Requests tolerate unknown fields (`extra="ignore"`, invariant 6) and treat `null` as absent; known fields are strictly
-typed, so a wrong JSON type is a 400 rather than a silent coercion. Responses allow extra fields: diffusion extras only
-add keys (invariant 10).
+typed, so a wrong JSON type is a 400 rather than a silent coercion.
 """
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -13,10 +12,6 @@ JsonValue = Any
 
 class RequestModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
-
-
-class ResponseModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
 
 
 # ---- native (Ollama) requests ----------------------------------------------------------------------------------------
@@ -121,107 +116,6 @@ class EmbedRequest(RequestModel):
     prompt: str | None = None
 
 
-# ---- native responses (documentation; streaming objects share these shapes) -------------------------------------------
-
-class ErrorResponse(ResponseModel):
-    error: str
-
-
-class VersionResponse(ResponseModel):
-    version: str
-    dgemma_version: str
-
-
-class ModelDetails(ResponseModel):
-    parent_model: str = ""
-    format: str = "gguf"
-    family: str = ""
-    families: list[str] | None = None
-    parameter_size: str = ""
-    quantization_level: str = ""
-
-
-class ListedModel(ResponseModel):
-    name: str
-    model: str
-    modified_at: str
-    size: int
-    digest: str
-    details: ModelDetails
-    capabilities: list[str] = []
-
-
-class TagsResponse(ResponseModel):
-    models: list[ListedModel]
-
-
-class RunningModel(ResponseModel):
-    name: str
-    model: str
-    size: int
-    digest: str
-    details: ModelDetails
-    expires_at: str
-    size_vram: int
-    context_length: int
-
-
-class PsResponse(ResponseModel):
-    models: list[RunningModel]
-
-
-class ShowResponse(ResponseModel):
-    license: str = ""
-    modelfile: str
-    parameters: str = ""
-    template: str = ""
-    system: str = ""
-    details: ModelDetails
-    messages: list[dict[str, JsonValue]] = []
-    model_info: dict[str, JsonValue]
-    capabilities: list[str]
-    modified_at: str
-
-
-class GenerateResponse(ResponseModel):
-    """One NDJSON line (or the whole answer with `stream: false`)."""
-
-    model: str
-    created_at: str
-    response: str
-    done: bool
-    done_reason: str | None = None
-    completed: int | None = Field(default=None, description="diffusion progress: steps done in the current canvas")
-    total: int | None = Field(default=None, description="diffusion progress: diffusion_steps")
-    canvas: int | None = Field(default=None, description="diffusion progress: 1-based canvas index")
-    preview: str | None = Field(default=None, description="diffusion_preview: decoded draft of the current canvas")
-    preview_tokens: list[str] | None = Field(default=None, description="diffusion_preview: the draft per position")
-    preview_accepted: list[bool] | None = Field(default=None, description="diffusion_preview: positions kept")
-    entropy: float | None = Field(default=None, description="diffusion_preview: mean entropy of the step")
-    accepted: int | None = Field(default=None, description="diffusion_preview: positions kept by the sampler")
-
-
-class ChatResponseMessage(ResponseModel):
-    role: str
-    content: str
-    thinking: str | None = None
-
-
-class ChatResponse(ResponseModel):
-    model: str
-    created_at: str
-    message: ChatResponseMessage
-    done: bool
-    done_reason: str | None = None
-
-
-class StatusResponse(ResponseModel):
-    status: str
-    digest: str | None = None
-    total: int | None = None
-    completed: int | None = None
-
-
 # ---- OpenAI-compatible layer ----------------------------------------------------------------------------------------
 
 class StreamOptions(RequestModel):
@@ -242,100 +136,33 @@ class OpenAIMessage(RequestModel):
     reasoning: str | None = None
 
 
-class ChatCompletionRequest(RequestModel):
+class OpenAIRequest(RequestModel):
+    """The fields both OpenAI generation requests share."""
+
     model: str
-    messages: list[OpenAIMessage]
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    n: int | None = None
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[OpenAIMessage]
+    max_completion_tokens: int | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, JsonValue]] | None = None
     reasoning_effort: str | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    n: int | None = None
 
 
-class CompletionRequest(RequestModel):
-    model: str
+class CompletionRequest(OpenAIRequest):
     prompt: str
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
     suffix: str | None = None
     logprobs: int | None = None
-    n: int | None = None
-
-
-class OpenAIErrorBody(ResponseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class OpenAIError(ResponseModel):
-    error: OpenAIErrorBody
-
-
-class OpenAIModel(ResponseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str
-
-
-class OpenAIModelList(ResponseModel):
-    object: Literal["list"] = "list"
-    data: list[OpenAIModel]
-
-
-class Usage(ResponseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ChatCompletionChoice(ResponseModel):
-    index: int
-    message: dict[str, JsonValue]
-    finish_reason: str | None
-
-
-class ChatCompletion(ResponseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[ChatCompletionChoice]
-    usage: Usage
-
-
-class CompletionChoice(ResponseModel):
-    index: int
-    text: str
-    finish_reason: str | None
-
-
-class Completion(ResponseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[CompletionChoice]
-    usage: Usage

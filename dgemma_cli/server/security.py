@@ -9,9 +9,11 @@ import ipaddress
 import json
 import re
 import socket
+import urllib.parse
 from collections.abc import Awaitable, Callable
 
 from dgemma_cli.server.config import ServerConfig
+from dgemma_cli.wire import ErrorResponse, OpenAIError, OpenAIErrorBody, WireModel
 
 Scope = dict
 Message = dict
@@ -83,8 +85,23 @@ class OriginPolicy:
         )
 
     def allows(self, origin: str) -> bool:
-        origin = origin.strip().lower()
-        return any(pattern.fullmatch(origin) for pattern in self.patterns)
+        canonical = _canonical_origin(origin.strip().lower())
+        return canonical is not None and any(pattern.fullmatch(canonical) for pattern in self.patterns)
+
+
+def _canonical_origin(origin: str) -> str | None:
+    """`scheme://host[:port]` of a well-formed origin, else None: user info (`http://localhost:@evil.example`),
+    a path, query or fragment, or a port that is not a number would let a `*` in a pattern match a foreign host."""
+    try:
+        parts = urllib.parse.urlsplit(origin)
+        parts.port  # noqa: B018 (raises ValueError for a non-numeric or out-of-range port)
+    except ValueError:
+        return None
+    if not parts.scheme or "@" in parts.netloc or parts.path or parts.query or parts.fragment or "#" in origin:
+        return None
+    if origin != f"{parts.scheme}://{parts.netloc}":
+        return None  # anything urlsplit normalised away (`?`, stray characters) is not an origin either
+    return origin
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -107,10 +124,10 @@ def error_body(path: str, status: int, message: str) -> bytes:
     """`{"error": "..."}` natively, the OpenAI error object under `/v1` (spec §2.7)."""
     if path.startswith("/v1/"):
         kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(status, "api_error")
-        payload: dict = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+        payload: WireModel = OpenAIError(error=OpenAIErrorBody(message=message, type=kind))
     else:
-        payload = {"error": message}
-    return json.dumps(payload).encode()
+        payload = ErrorResponse(error=message)
+    return json.dumps(payload.wire()).encode()
 
 
 class SecurityMiddleware:

@@ -16,6 +16,7 @@ from dgemma_cli.server.options import check_options
 from dgemma_cli.server.runner import ARCHITECTURE
 from dgemma_cli.server.scheduler import Scheduler
 from dgemma_cli.store import ModelNotFoundError, Store
+from dgemma_cli.wire import ModelDetails, ShowResponse, TensorInfo
 
 log = logging.getLogger("dgemma.server")
 
@@ -101,22 +102,22 @@ class Services:
     # ---- info -----------------------------------------------------------------------------------------------------
 
     @staticmethod
-    def details(raw: dict[str, Any] | None) -> dict[str, Any]:
+    def details(raw: dict[str, Any] | None) -> ModelDetails:
         raw = raw or {}
         family = raw.get("family") or raw.get("model_family") or ""
-        return {
-            "parent_model": raw.get("parent_model", ""),
-            "format": raw.get("format") or raw.get("model_format") or "gguf",
-            "family": family,
-            "families": raw.get("families") or raw.get("model_families") or ([family] if family else None),
-            "parameter_size": raw.get("parameter_size") or raw.get("model_type") or "",
-            "quantization_level": raw.get("quantization_level") or raw.get("file_type") or "",
-        }
+        return ModelDetails(
+            parent_model=raw.get("parent_model", ""),
+            format=raw.get("format") or raw.get("model_format") or "gguf",
+            family=family,
+            families=raw.get("families") or raw.get("model_families") or ([family] if family else None),
+            parameter_size=raw.get("parameter_size") or raw.get("model_type") or "",
+            quantization_level=raw.get("quantization_level") or raw.get("file_type") or "",
+        )
 
-    def details_of(self, local: Any) -> dict[str, Any]:
+    def details_of(self, local: Any) -> ModelDetails:
         return self.details(getattr(local, "config", None))
 
-    def show(self, model: ResolvedModel, verbose: bool) -> dict[str, Any]:
+    def show(self, model: ResolvedModel, verbose: bool) -> ShowResponse:
         from dgemma_cli.gguf_check import ArraySummary, read_gguf_info
         from dgemma_cli.modelfile import Modelfile, format_modelfile
 
@@ -151,21 +152,22 @@ class Services:
             modelfile_text = format_modelfile(modelfile, header=MODELFILE_HEADER.format(name=local.name))
         except DgemmaError:
             modelfile_text = MODELFILE_HEADER.format(name=local.name) + f"\nFROM {source}\n"
-        body: dict[str, Any] = {
-            "license": "\n".join(local.license or []),
-            "modelfile": modelfile_text,
-            "parameters": format_parameters(local.parameters or {}),
-            "template": template,
-            "system": local.system or "",
-            "details": self.details_of(local),
-            "messages": list(local.messages or []),
-            "model_info": model_info,
-            "capabilities": capabilities,
-            "modified_at": _timestamp(getattr(local, "modified", 0.0)),
-        }
+        tensors = None
         if verbose and info is not None:
-            body["tensors"] = [{"name": t.name, "type": t.type_name, "shape": list(t.shape)} for t in info.tensors]
-        return body
+            tensors = [TensorInfo(name=t.name, type=t.type_name, shape=list(t.shape)) for t in info.tensors]
+        return ShowResponse(
+            license="\n".join(local.license or []),
+            modelfile=modelfile_text,
+            parameters=format_parameters(local.parameters or {}),
+            template=template,
+            system=local.system or "",
+            details=self.details_of(local),
+            messages=list(local.messages or []),
+            model_info=model_info,
+            capabilities=capabilities,
+            modified_at=_timestamp(getattr(local, "modified", 0.0)),
+            tensors=tensors,
+        )
 
     # ---- create ---------------------------------------------------------------------------------------------------
 

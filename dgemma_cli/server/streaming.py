@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from dgemma_cli.errors import DgemmaError
-from dgemma_cli.server.errors import ClientGone, RequestError
+from dgemma_cli.server.errors import ClientGone
 
 log = logging.getLogger("dgemma.server")
 T = TypeVar("T")
@@ -44,17 +44,13 @@ def scrub_paths(text: str) -> str:
 
 
 def error_status(exc: BaseException) -> int:
-    status = getattr(exc, "status", None) or getattr(exc, "http_status", None)
-    if isinstance(status, int):
-        return status
-    return 400 if is_user_error(exc) else 500
+    """The HTTP status of a failure: a user error's own `status` (400 unless it says otherwise), else 500."""
+    return exc.status if isinstance(exc, DgemmaError) else 500
 
 
 def is_user_error(exc: BaseException) -> bool:
-    """The packages' user-facing errors (matched by class name: the engine and converter need not be importable)."""
-    return isinstance(exc, DgemmaError) or any(
-        cls.__name__ in ("EngineError", "ConvertError") for cls in type(exc).__mro__
-    )
+    """Every package's user-facing error (engine and converter errors derive from `DgemmaError` too)."""
+    return isinstance(exc, DgemmaError)
 
 
 def error_message(exc: BaseException) -> str:
@@ -153,6 +149,26 @@ class GuardedStreamingResponse(StreamingResponse):
             self.cleanup()
 
 
+def guarded_stream(stream: WorkerStream, frames: AsyncIterator[bytes], error_frame: Callable[[Exception], bytes],
+                   media_type: str) -> GuardedStreamingResponse:
+    """A streaming answer of `frames` from `stream`'s worker. After the first byte the status is sent, so a failure
+    becomes one last frame (`error_frame`); the worker is stopped however the body ends."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for frame in frames:
+                yield frame
+        except Exception as exc:  # noqa: BLE001  (reported in the stream itself)
+            yield error_frame(exc)
+        finally:
+            stream.stop()
+            close = getattr(frames, "aclose", None)
+            if close is not None:
+                await close()
+
+    return GuardedStreamingResponse(body(), cleanup=stream.stop, media_type=media_type)
+
+
 async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     """Await `awaitable` unless the client leaves first (polled every 250 ms): then cancel it, 499 (§7)."""
     task = asyncio.ensure_future(awaitable)
@@ -193,6 +209,6 @@ async def collect(request: Request, stream: WorkerStream) -> list[Any]:
 
 
 def stream_error_line(exc: BaseException) -> dict[str, str]:
-    if not isinstance(exc, RequestError | DgemmaError):
+    if not is_user_error(exc):
         log.debug("mid-stream error: %r", exc)
     return {"error": error_message(exc)}

@@ -18,6 +18,7 @@
 
 #define DG_API __attribute__((visibility("default")))
 #define DG_MAX_LAYERS 512
+#define DG_MAX_CANVAS 4096  // longer canvases cost minutes per step and gigabytes of activations
 
 // Hyper-parameters as read from the GGUF (mirrored by ctypes in model.py: keep the field order).
 typedef struct dg_hparams {

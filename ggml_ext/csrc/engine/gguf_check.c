@@ -2,7 +2,7 @@
 //
 // A hostile file can lie about every count, length, type, shape and offset. This walker checks each one against the
 // real file size (so nothing is allocated from an untrusted number), rejects unknown types, more than 4 dims,
-// overflowing shapes, misaligned or out-of-file tensor data and duplicate names. Only then does model.c hand the
+// overflowing shapes, misaligned or out-of-file tensor data, empty or duplicate keys and duplicate names. Only then does model.c hand the
 // bytes to gguf_init_from_buffer.
 #include <stdarg.h>
 #include <stdio.h>
@@ -132,6 +132,58 @@ static int cmp_name(const void *a, const void *b) {
     return x->len < y->len ? -1 : x->len > y->len;
 }
 
+// The key/value section: every key non-empty and unique (ggml's own parser would log and fail on a duplicate),
+// every value skipped with bounds checks; general.alignment read into *alignment.
+static bool check_keys(cursor *cur, uint64_t n_kv, name_ref *keys, uint64_t *alignment) {
+    cursor c = *cur;
+    char *err = c.err;
+    size_t err_len = c.err_len;
+    for (uint64_t i = 0; i < n_kv; i++) {
+        const uint8_t *key;
+        uint64_t key_len;
+        uint32_t type;
+        if (!take_string(&c, &key, &key_len, MAX_KEY_BYTES, "key")) return false;
+        if (key_len == 0) {
+            dg_set_err(err, err_len, "invalid GGUF: empty metadata key");
+            return false;
+        }
+        keys[i].s = key;
+        keys[i].len = key_len;
+        if (!take_u32(&c, &type, "value type")) return false;
+        char key_z[128];
+        size_t kz = key_len < sizeof(key_z) - 1 ? (size_t)key_len : sizeof(key_z) - 1;
+        memcpy(key_z, key, kz);
+        key_z[kz] = 0;
+        if (key_len == strlen("general.alignment") && memcmp(key, "general.alignment", key_len) == 0) {
+            uint32_t a;
+            if (type != GGUF_T_U32 || !take_u32(&c, &a, "alignment")) {
+                dg_set_err(err, err_len, "invalid GGUF: general.alignment must be a uint32");
+                return false;
+            }
+            if (a == 0 || (a & (a - 1)) != 0) {
+                dg_set_err(err, err_len, "invalid GGUF: alignment %u is not a power of two", a);
+                return false;
+            }
+            *alignment = a;
+            continue;
+        }
+        if (!skip_value(&c, type, key_z)) return false;
+    }
+    qsort(keys, n_kv, sizeof(name_ref), cmp_name);
+    for (uint64_t i = 1; i < n_kv; i++) {
+        if (cmp_name(&keys[i - 1], &keys[i]) == 0) {
+            char key_z[128];
+            size_t kz = keys[i].len < sizeof(key_z) - 1 ? (size_t)keys[i].len : sizeof(key_z) - 1;
+            memcpy(key_z, keys[i].s, kz);
+            key_z[kz] = 0;
+            dg_set_err(err, err_len, "invalid GGUF: duplicate metadata key '%s'", key_z);
+            return false;
+        }
+    }
+    cur->pos = c.pos;
+    return true;
+}
+
 // checked a*b for non-negative int64
 static bool mul_ok(int64_t a, int64_t b, int64_t *out) {
     if (a != 0 && b > INT64_MAX / a) return false;
@@ -168,31 +220,16 @@ bool dg_gguf_check(const uint8_t *data, size_t size, char *err, size_t err_len) 
     }
 
     uint64_t alignment = 32;  // GGUF default
-    for (uint64_t i = 0; i < n_kv; i++) {
-        const uint8_t *key;
-        uint64_t key_len;
-        uint32_t type;
-        if (!take_string(&c, &key, &key_len, MAX_KEY_BYTES, "key")) return false;
-        if (!take_u32(&c, &type, "value type")) return false;
-        char key_z[128];
-        size_t kz = key_len < sizeof(key_z) - 1 ? (size_t)key_len : sizeof(key_z) - 1;
-        memcpy(key_z, key, kz);
-        key_z[kz] = 0;
-        if (key_len == strlen("general.alignment") && memcmp(key, "general.alignment", key_len) == 0) {
-            uint32_t a;
-            if (type != GGUF_T_U32 || !take_u32(&c, &a, "alignment")) {
-                dg_set_err(err, err_len, "invalid GGUF: general.alignment must be a uint32");
-                return false;
-            }
-            if (a == 0 || (a & (a - 1)) != 0) {
-                dg_set_err(err, err_len, "invalid GGUF: alignment %u is not a power of two", a);
-                return false;
-            }
-            alignment = a;
-            continue;
-        }
-        if (!skip_value(&c, type, key_z)) return false;
+    name_ref *keys = calloc(n_kv ? n_kv : 1, sizeof(name_ref));  // n_kv is bounded by the file size above
+    if (!keys) {
+        dg_set_err(err, err_len, "out of memory while checking the GGUF");
+        return false;
     }
+    if (!check_keys(&c, n_kv, keys, &alignment)) {
+        free(keys);
+        return false;
+    }
+    free(keys);
 
     name_ref *names = calloc(n_tensors ? n_tensors : 1, sizeof(name_ref));
     uint64_t *offsets = calloc(n_tensors ? n_tensors : 1, sizeof(uint64_t));

@@ -169,7 +169,7 @@ static bool read_hparams(loader *ld) {
     }
     int32_t n_rot_full = 0, n_rot_swa = 0, v_len = 0, v_len_swa = 0;
     if (!kv_int(ld, KEY("block_count"), true, 0, 1, DG_MAX_LAYERS, &hp->n_layer) ||
-        !kv_int(ld, KEY("context_length"), false, 0, 0, INT32_MAX, &hp->n_ctx_train) ||
+        !kv_int(ld, KEY("context_length"), true, 0, 1, INT32_MAX, &hp->n_ctx_train) ||
         !kv_int(ld, KEY("embedding_length"), true, 0, 1, 1 << 16, &hp->n_embd) ||
         !kv_int(ld, KEY("feed_forward_length"), true, 0, 1, 1 << 20, &hp->n_ff) ||
         !kv_int(ld, KEY("expert_feed_forward_length"), true, 0, 1, 1 << 20, &hp->n_ff_exp) ||
@@ -183,7 +183,7 @@ static bool read_hparams(loader *ld) {
         !kv_int(ld, KEY("attention.sliding_window"), true, 0, 1, INT32_MAX, &hp->sliding_window) ||
         !kv_int(ld, KEY("rope.dimension_count"), false, hp->head_dim_full, 1, 1 << 14, &n_rot_full) ||
         !kv_int(ld, KEY("rope.dimension_count_swa"), false, hp->head_dim_swa, 1, 1 << 14, &n_rot_swa) ||
-        !kv_int(ld, "diffusion.canvas_length", true, 0, 1, 1 << 16, &hp->canvas_length) ||
+        !kv_int(ld, "diffusion.canvas_length", true, 0, 1, DG_MAX_CANVAS, &hp->canvas_length) ||
         !kv_float(ld, KEY("attention.layer_norm_rms_epsilon"), true, 0, 1e-30, 1.0, &hp->rms_eps) ||
         !kv_float(ld, KEY("rope.freq_base"), true, 0, 1.0, 1e30, &hp->rope_base_full) ||
         !kv_float(ld, KEY("rope.freq_base_swa"), true, 0, 1.0, 1e30, &hp->rope_base_swa) ||

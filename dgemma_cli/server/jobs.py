@@ -1,0 +1,103 @@
+"""What the native and the OpenAI routes share for one generation: admission, request checks, prompt rendering and
+the `Job` that queues for the model and starts the worker (every 4xx happens before the first byte)."""
+import asyncio
+import functools
+import threading
+import time
+from typing import Any
+
+from fastapi import Request
+
+from dgemma_cli.server import inference
+from dgemma_cli.server.errors import RequestError
+from dgemma_cli.server.options import precheck_sampler, resolve_sampler
+from dgemma_cli.server.runner import ChatTemplate, render_prompt
+from dgemma_cli.server.services import ResolvedModel, Services, services
+from dgemma_cli.server.streaming import WorkerStream, until_disconnected
+
+
+def admitted(handler):
+    """Inference handlers count against DGEMMA_MAX_QUEUE from arrival until they hold a slot (§7)."""
+
+    @functools.wraps(handler)
+    async def wrapper(req, request: Request):
+        with services(request).scheduler.admission():
+            return await handler(req, request)
+
+    return wrapper
+
+
+def common_checks(model: ResolvedModel, fmt: Any, logprobs: bool | None, top_logprobs: int | None) -> None:
+    """Capabilities dgemma lacks, refused with Ollama's errors: logprobs and structured outputs."""
+    if top_logprobs is not None and not 0 <= top_logprobs <= 20:
+        raise RequestError("top_logprobs must be between 0 and 20")
+    if logprobs or (top_logprobs or 0) > 0:
+        raise RequestError(f"{model.quoted} does not support logprobs")
+    if fmt not in (None, "", {}):
+        raise RequestError(f"{model.quoted} does not support structured outputs")
+
+
+def think_flag(model: ResolvedModel, think: bool | str | None, has_thinking: bool) -> bool | None:
+    if think is None or think is False:
+        return None if think is None else False
+    if isinstance(think, str) and think.lower() not in ("true", "low", "medium", "high", "max"):
+        if think.lower() == "false":
+            return False
+        raise RequestError(f'invalid think value: "{think}" (must be true, false, high, medium, low, or max)')
+    if not has_thinking:
+        raise RequestError(f"{model.quoted} does not support thinking")
+    return True
+
+
+def with_model_messages(model: ResolvedModel, messages: list[dict]) -> list[dict]:
+    """Modelfile MESSAGEs first; the model SYSTEM leads unless the request starts with its own system message."""
+    preset = [dict(m) for m in model.local.messages or []]
+    if model.local.system and not (messages and messages[0]["role"] == "system"):
+        preset.insert(0, {"role": "system", "content": model.local.system})
+    return preset + messages
+
+
+def render_messages(runner, messages: list[dict], thinking: bool | None, override: ChatTemplate | None = None) -> str:
+    """The prompt text of `messages` (with a per-request template `override`); template failures are a clean 500."""
+    try:
+        if override is not None:
+            return render_prompt(override, messages, thinking, getattr(runner, "special_tokens", None))
+        return runner.render_chat(messages, thinking)
+    except RequestError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise inference.render_failed(exc) from None
+
+
+class Job:
+    """What a generate/chat request resolved to once its model is resident."""
+
+    def __init__(self, svc: Services, model: ResolvedModel, options: dict, keep_alive: float | None):
+        self.svc = svc
+        self.model = model
+        self.options = options
+        self.keep_alive = keep_alive
+        self.num_ctx = svc.num_ctx(model, options)
+        precheck_sampler(options, svc.config.max_steps)  # a bad option is a 400 before any model load
+        self.started = time.perf_counter()
+
+    async def start(self, request: Request, build_prompt, think) -> WorkerStream:
+        """Queue for the model, render the prompt, plan the canvases: every 4xx happens before the first byte."""
+        lease = await until_disconnected(
+            request, self.svc.scheduler.acquire(self.model.display, self.model.local, self.num_ctx, self.keep_alive)
+        )
+        try:
+            runner = lease.runner
+            sampler = resolve_sampler(self.options, runner.metadata, self.svc.config.max_steps)
+            thinking = think_flag(self.model, think, runner.has_thinking)
+            prompt_ids = await asyncio.to_thread(build_prompt, runner, thinking)
+            plan = inference.plan_generation(runner, prompt_ids, sampler, self.svc.config.max_canvases)
+        except BaseException:
+            lease.release()
+            raise
+        load_s = lease.load_seconds
+
+        def produce(cancel: threading.Event):
+            return inference.run_generation(runner, plan, sampler, cancel, bool(thinking), self.started, load_s)
+
+        return WorkerStream(produce, lambda failed: lease.release(failed))

@@ -1,0 +1,284 @@
+"""The records the REST API sends, defined once: the routes build their answers from them, FastAPI derives the OpenAPI
+schema from them, and the CLI reads the server's chunks with them (the live view, the `--verbose` timing block).
+
+Pure data, so the client can import it without the server: this module imports pydantic and nothing of dgemma.
+Key names and order are the API (Ollama's and OpenAI's, plus dgemma's additive diffusion keys): `wire()` is the JSON
+object as sent. A field declared with `OMITTED` is left out while it is None; every other field is always sent (so
+OpenAI's `finish_reason: null` and a `families: null` stay). Answers allow extra fields: diffusion extras only add keys.
+See docs/server.md, "Wire types".
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+JsonValue = Any
+
+
+def _absent(value: Any) -> bool:
+    return value is None
+
+
+def omitted(description: str | None = None) -> Any:
+    """A field that is sent only when it has a value."""
+    return Field(default=None, exclude_if=_absent, description=description)
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def wire(self) -> dict[str, Any]:
+        """The JSON object as it goes on the wire (absent optional keys left out)."""
+        return self.model_dump()
+
+
+# ---- errors -----------------------------------------------------------------------------------------------------------
+
+class ErrorResponse(WireModel):
+    error: str
+
+
+class OpenAIErrorBody(WireModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIError(WireModel):
+    error: OpenAIErrorBody
+
+
+def error_text(body: Any) -> str | None:
+    """The message of an error answer or stream line in either shape (native `{"error": "..."}`, OpenAI's object)."""
+    if not isinstance(body, dict) or "error" not in body:
+        return None
+    error = body["error"]
+    if isinstance(error, dict):
+        return str(error.get("message", ""))
+    return error if isinstance(error, str) else None
+
+
+# ---- native (Ollama) info ---------------------------------------------------------------------------------------------
+
+class VersionResponse(WireModel):
+    version: str
+    dgemma_version: str
+
+
+class ModelDetails(WireModel):
+    parent_model: str = ""
+    format: str = "gguf"
+    family: str = ""
+    families: list[str] | None = None
+    parameter_size: str = ""
+    quantization_level: str = ""
+
+
+class ListedModel(WireModel):
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: ModelDetails
+    capabilities: list[str] = []
+
+
+class TagsResponse(WireModel):
+    models: list[ListedModel]
+
+
+class RunningModel(WireModel):
+    name: str
+    model: str
+    size: int
+    digest: str
+    details: ModelDetails
+    expires_at: str
+    size_vram: int
+    context_length: int
+
+
+class PsResponse(WireModel):
+    models: list[RunningModel]
+
+
+class TensorInfo(WireModel):
+    name: str
+    type: str
+    shape: list[int]
+
+
+class ShowResponse(WireModel):
+    license: str = ""
+    modelfile: str
+    parameters: str = ""
+    template: str = ""
+    system: str = ""
+    details: ModelDetails
+    messages: list[dict[str, JsonValue]] = []
+    model_info: dict[str, JsonValue]
+    capabilities: list[str]
+    modified_at: str
+    tensors: list[TensorInfo] | None = omitted("with `verbose`: every tensor's name, type and shape")
+
+
+class StatusResponse(WireModel):
+    status: str
+    digest: str | None = omitted()
+    total: int | None = omitted()
+    completed: int | None = omitted()
+
+
+# ---- native generate / chat -------------------------------------------------------------------------------------------
+
+class Metrics(WireModel):
+    """The final chunk's statistics: durations in integer nanoseconds (invariant 4), counts in tokens."""
+
+    total_duration: int = 0
+    load_duration: int = 0
+    prompt_eval_count: int = 0
+    prompt_eval_duration: int = 0
+    eval_count: int = 0
+    eval_duration: int = 0
+    denoise_steps: int = Field(default=0, description="diffusion: denoising steps run over all canvases")
+    canvases: int = Field(default=0, description="diffusion: canvases committed")
+
+
+class Progress(WireModel):
+    """One denoising step (`diffusion_progress`; the draft with `diffusion_preview`): dgemma's additive keys.
+
+    `preview_tokens`/`preview_accepted` hold the draft one string per canvas position and whether the sampler kept
+    that position this step; without them a client compares `preview` with the previous step's."""
+
+    completed: int = Field(description="diffusion progress: steps done in the current canvas")
+    total: int = Field(description="diffusion progress: diffusion_steps")
+    canvas: int = Field(description="diffusion progress: 1-based canvas index")
+    preview: str | None = omitted("diffusion_preview: decoded draft of the current canvas")
+    entropy: float | None = omitted("diffusion_preview: mean entropy of the step")
+    accepted: int | None = omitted("diffusion_preview: positions kept by the sampler")
+    preview_tokens: list[str] | None = omitted("diffusion_preview: the draft per position")
+    preview_accepted: list[bool] | None = omitted("diffusion_preview: positions kept")
+
+
+class GenerateHead(WireModel):
+    model: str
+    created_at: str
+    response: str
+    thinking: str | None = omitted()
+    done: bool
+    done_reason: str | None = omitted()
+    context: list[int] | None = omitted("prompt + answer token ids (final chunk, not with `raw`)")
+
+
+class ChatResponseMessage(WireModel):
+    role: str
+    content: str
+    thinking: str | None = omitted()
+
+
+class ChatHead(WireModel):
+    model: str
+    created_at: str
+    message: ChatResponseMessage
+    done: bool
+    done_reason: str | None = omitted()
+
+
+def _answer_model(name: str, head: type[WireModel], doc: str) -> type[WireModel]:
+    """`head`, then Metrics' keys (final chunk) and Progress' keys (progress chunks), each sent only when set: one
+    model for every line of a stream, with the keys in the order they are sent."""
+    extras: dict[str, Any] = {
+        key: (field.annotation | None, omitted(field.description))
+        for part in (Metrics, Progress)
+        for key, field in part.model_fields.items()
+    }
+    return create_model(name, __base__=head, __doc__=doc, __module__=__name__, **extras)
+
+
+GenerateResponse = _answer_model("GenerateResponse", GenerateHead,
+                                 "One /api/generate NDJSON line (or the whole answer with `stream: false`).")
+ChatResponse = _answer_model("ChatResponse", ChatHead,
+                             "One /api/chat NDJSON line (or the whole answer with `stream: false`).")
+
+
+# ---- OpenAI-compatible layer ------------------------------------------------------------------------------------------
+
+class OpenAIModel(WireModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class OpenAIModelList(WireModel):
+    object: Literal["list"] = "list"
+    data: list[OpenAIModel]
+
+
+class Usage(WireModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionHead(WireModel):
+    """What every OpenAI completion object and stream chunk starts with."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str
+
+
+class ChatCompletionMessage(WireModel):
+    role: str
+    content: str
+    reasoning: str | None = omitted()
+
+
+class ChatCompletionChoice(WireModel):
+    index: int
+    message: ChatCompletionMessage
+    finish_reason: str | None
+
+
+class ChatCompletion(CompletionHead):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class ChatDelta(WireModel):
+    role: str | None = omitted()
+    reasoning: str | None = omitted()
+    content: str | None = omitted()
+
+
+class ChatChunkChoice(WireModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(CompletionHead):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = omitted("the last chunk, with `stream_options.include_usage`")
+
+
+class CompletionChoice(WireModel):
+    index: int
+    text: str
+    finish_reason: str | None
+
+
+class Completion(CompletionHead):
+    """A text completion, and each of its stream chunks (`usage` there only with `stream_options.include_usage`)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = omitted()
