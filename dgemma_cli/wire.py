@@ -282,3 +282,67 @@ class Completion(CompletionHead):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = omitted()
+
+
+# ---- OpenAI Responses API (/v1/responses) -----------------------------------------------------------------------------
+
+class ResponseOutputText(WireModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[JsonValue] = Field(default_factory=list)
+    logprobs: list[JsonValue] = Field(default_factory=list)
+
+
+class ResponseSummaryText(WireModel):
+    type: Literal["summary_text"] = "summary_text"
+    text: str
+
+
+class ResponseOutputItem(WireModel):
+    """A `message` (the answer) or a `reasoning` item (the thinking, as its summary)."""
+
+    id: str
+    type: Literal["message", "reasoning"]
+    status: str | None = omitted()
+    role: str | None = omitted()
+    content: list[ResponseOutputText] | None = omitted()
+    summary: list[ResponseSummaryText] | None = omitted()
+
+
+class ResponseUsage(WireModel):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
+    output_tokens_details: dict[str, int] = Field(default_factory=lambda: {"reasoning_tokens": 0})
+
+
+class ResponseIncomplete(WireModel):
+    reason: str
+
+
+class ResponseObject(WireModel):
+    """The response object: the whole answer, and the `response` of the stream's created / completed events."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    completed_at: int | None = None
+    status: Literal["in_progress", "completed", "incomplete"]
+    incomplete_details: ResponseIncomplete | None = None
+    model: str
+    previous_response_id: str | None = None
+    instructions: str | None = None
+    output: list[ResponseOutputItem]
+    error: JsonValue = None
+    tools: list[JsonValue] = Field(default_factory=list)
+    tool_choice: JsonValue = "auto"
+    truncation: str = "disabled"
+    parallel_tool_calls: bool = True
+    text: dict[str, JsonValue] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    temperature: float | None = None
+    top_p: float | None = None
+    max_output_tokens: int | None = None
+    usage: ResponseUsage | None = None
+    store: bool = False
+    metadata: dict[str, JsonValue] = Field(default_factory=dict)

@@ -172,10 +172,13 @@ def best_canvas(logits: np.ndarray, automaton: TokenAutomaton, state: int, must_
 
 @dataclass
 class CanvasConstraint:
-    """The state of one constrained generation across its canvases."""
+    """The state of one constrained generation across its canvases. token_limit: an exact cut of the delivered
+    tokens (Ollama's `num_predict`); the value must then close before it, not just within the canvas."""
 
     automaton: TokenAutomaton
+    token_limit: int | None = None
     state: int = field(init=False)
+    written: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.state = self.automaton.initial
@@ -186,6 +189,17 @@ class CanvasConstraint:
 
     def commit(self, logits: np.ndarray, last: bool) -> list[int]:
         """The canvas to commit instead of the argmax canvas. last: no canvas may follow this one."""
-        chosen = best_canvas(logits, self.automaton, self.state, must_close=last)
+        logits = np.asarray(logits)
+        positions = logits.shape[0]
+        room = None if self.token_limit is None else max(0, self.token_limit - self.written)
+        self.written += positions
+        if room is None or room >= positions:
+            chosen = best_canvas(logits, self.automaton, self.state, must_close=last)
+            self.state = chosen.state
+            return chosen.ids
+        # the cut falls inside this canvas: close within the delivered tokens (the stop id may sit right at the cut,
+        # it is never delivered); what follows is cut anyway
+        head = room + 1
+        chosen = best_canvas(logits[:head], self.automaton, self.state, must_close=True)
         self.state = chosen.state
-        return chosen.ids
+        return chosen.ids + [int(t) for t in logits[head:].argmax(axis=1)]

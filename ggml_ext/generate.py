@@ -19,12 +19,15 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from dgemma_engine.errors import EngineError
 from dgemma_engine.events import CanvasEvent, DoneEvent, Event, GenerationStats, StepEvent
 from dgemma_engine.sampler import Sampler
 from dgemma_engine.settings import SamplerParams  # re-exported: callers import it from here
+
+if TYPE_CHECKING:
+    from dgemma_engine.constrained import CanvasConstraint
 
 # Stop ids of the released model (<eos>, <turn|>, <|tool_response>); GGUF files do not store them (see
 # eos_ids_from_metadata).
@@ -59,11 +62,13 @@ def eos_ids_from_metadata(metadata: dict[str, Any]) -> tuple[int, ...]:
 
 def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None = None, max_new_tokens: int = 256,
              eos_ids: Sequence[int] | None = RELEASED_EOS_IDS, tokenizer: Any = None,
-             cancel: threading.Event | None = None, threads: int | None = None) -> Iterator[Event]:
+             cancel: threading.Event | None = None, threads: int | None = None,
+             constraint: CanvasConstraint | None = None) -> Iterator[Event]:
     """Generate after `prompt_ids` (appended to whatever `ctx` has cached). Yields StepEvent per step, CanvasEvent
     per committed canvas and one final DoneEvent. The token budget is in whole canvases: ceil(max_new_tokens / C).
     `cancel` is checked between steps. Raises EngineError on unusable input (nothing to condition on, a prompt that
-    leaves no room for a canvas)."""
+    leaves no room for a canvas). With a `constraint` (structured output), each committed canvas is its constrained
+    MAP decode of the last step's logits instead of the argmax canvas (docs/generation.md, "Structured output")."""
     params = params or SamplerParams()
     model = ctx.model
     C = int(model.hparams.canvas_length)
@@ -113,7 +118,11 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
                     break
                 canvas, prev_temperature = result.canvas, result.temperature
 
-            committed = result.argmax.tolist()
+            if constraint is None:
+                committed = result.argmax.tolist()
+            else:  # the last canvas the budget or the context allows must close the value if it can
+                final = b == n_canvases - 1 or ctx.n_past + 2 * C > ctx.n_ctx
+                committed = constraint.commit(logits, last=final)
             hits = [i for i, t in enumerate(committed) if t in eos]
             eos_position = hits[0] if hits else None
             ids = committed[:eos_position] if hits else committed

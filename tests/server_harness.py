@@ -69,7 +69,10 @@ class FakeRunner:
     def detokenize(self, ids: list[int]) -> str:
         return "".join(chr(i - TOKEN_OFFSET) for i in ids if i >= TOKEN_OFFSET)
 
-    def generate(self, prompt_ids, sampler, max_new_tokens, cancel):
+    def compile_format(self, schema):
+        return {"schema": schema}  # the fake's answer is scripted: a format is accepted and ignored
+
+    def generate(self, prompt_ids, sampler, max_new_tokens, cancel, constraint=None):
         try:
             yield from self._generate(prompt_ids, sampler, max_new_tokens, cancel)
         finally:

@@ -130,7 +130,7 @@ def test_set_commands(setup):
         assert b.last_prompt[-1].endswith("<user>hi<assistant>")
 
         say(child, "/set format json", "Set format to 'json' mode.")
-        say(child, "hi", 'Error: "tiny" does not support structured outputs')  # the REPL stays up
+        say(child, "hi", ANSWER)  # the format is sent (the fake runner's scripted answer ignores it)
         say(child, "/set noformat", "Disabled format.")
         say(child, "/set format yaml", "Invalid or missing format. For 'json' mode use '/set format json'")
         for mode in ("wordwrap", "nowordwrap", "history", "nohistory", "visual", "novisual"):

@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dgemma_cli import __version__
 from dgemma_cli.errors import DgemmaError
-from dgemma_cli.server import ollama_routes, openai_routes
+from dgemma_cli.server import ollama_routes, openai_routes, responses_routes
 from dgemma_cli.server.config import ServerConfig
 from dgemma_cli.server.runner import EngineRunner
 from dgemma_cli.server.scheduler import RunnerFactory, Scheduler
@@ -169,6 +169,7 @@ def create_app(
     app.state.services = Services(config, store, scheduler, __version__)
     app.include_router(ollama_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
     app.openapi = lambda: _fix_openapi(app)  # type: ignore[method-assign]
 
     @app.exception_handler(RequestValidationError)

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import SamplerSettings
@@ -39,6 +40,7 @@ class Plan:
     prompt_ids: list[int]
     max_new_tokens: int  # whole canvases
     token_limit: int | None  # exact num_predict cut, None = until EOS
+    constraint: Any = None  # the runner's compiled output format (structured output), None = free text
 
 
 def _ns(seconds: float) -> int:
@@ -207,7 +209,8 @@ def run_generation(
     first_step_at = last_commit_at = None
     stats = None
     reason = None
-    events = runner.generate(plan.prompt_ids, sampler, plan.max_new_tokens, cancel)
+    extra = {"constraint": plan.constraint} if plan.constraint is not None else {}
+    events = runner.generate(plan.prompt_ids, sampler, plan.max_new_tokens, cancel, **extra)
     try:
         for event in events:
             match event:

@@ -4,6 +4,7 @@ import asyncio
 import functools
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -13,6 +14,7 @@ from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import precheck_sampler, resolve_sampler
 from dgemma_cli.server.runner import ChatTemplate, render_prompt
 from dgemma_cli.server.services import ResolvedModel, Services, services
+from dgemma_cli.server.structured import OutputFormat
 from dgemma_cli.server.streaming import WorkerStream, until_disconnected
 
 
@@ -27,14 +29,12 @@ def admitted(handler):
     return wrapper
 
 
-def common_checks(model: ResolvedModel, fmt: Any, logprobs: bool | None, top_logprobs: int | None) -> None:
-    """Capabilities dgemma lacks, refused with Ollama's errors: logprobs and structured outputs."""
+def common_checks(model: ResolvedModel, logprobs: bool | None, top_logprobs: int | None) -> None:
+    """A capability dgemma lacks, refused with Ollama's errors: logprobs."""
     if top_logprobs is not None and not 0 <= top_logprobs <= 20:
         raise RequestError("top_logprobs must be between 0 and 20")
     if logprobs or (top_logprobs or 0) > 0:
         raise RequestError(f"{model.quoted} does not support logprobs")
-    if fmt not in (None, "", {}):
-        raise RequestError(f"{model.quoted} does not support structured outputs")
 
 
 def think_flag(model: ResolvedModel, think: bool | str | None, has_thinking: bool) -> bool | None:
@@ -69,11 +69,24 @@ def render_messages(runner, messages: list[dict], thinking: bool | None, overrid
         raise inference.render_failed(exc) from None
 
 
+def compiled_format(runner, output_format: OutputFormat) -> Any:
+    """The runner's compiled automaton for this format (cached per model and schema); a schema the vocabulary cannot
+    write, or one too costly to compile, is the client's 400."""
+    from dgemma_engine.constrained import ConstraintError
+
+    try:
+        return runner.compile_format(output_format.schema)
+    except ConstraintError as exc:
+        raise RequestError(str(exc).splitlines()[0]) from None
+
+
 class Job:
     """What a generate/chat request resolved to once its model is resident."""
 
-    def __init__(self, svc: Services, model: ResolvedModel, options: dict, keep_alive: float | None):
+    def __init__(self, svc: Services, model: ResolvedModel, options: dict, keep_alive: float | None,
+                 output_format: OutputFormat | None = None):
         self.svc = svc
+        self.output_format = output_format
         self.model = model
         self.options = options
         self.keep_alive = keep_alive
@@ -92,6 +105,8 @@ class Job:
             thinking = think_flag(self.model, think, runner.has_thinking)
             prompt_ids = await asyncio.to_thread(build_prompt, runner, thinking)
             plan = inference.plan_generation(runner, prompt_ids, sampler, self.svc.config.max_canvases)
+            if self.output_format is not None:
+                plan = replace(plan, constraint=await asyncio.to_thread(compiled_format, runner, self.output_format))
         except BaseException:
             lease.release()
             raise

@@ -33,6 +33,7 @@ from dgemma_cli.server.streaming import (
     timestamp_of,
     until_disconnected,
 )
+from dgemma_cli.server.structured import ollama_format
 
 log = logging.getLogger("dgemma.server")
 router = APIRouter()
@@ -125,7 +126,8 @@ async def generate(req: schemas.GenerateRequest, request: Request):
         raise RequestError(f"{model.full} does not support insert")
     if req.images:
         raise RequestError(f"{model.full} does not support vision")
-    common_checks(model, req.format, req.logprobs, req.top_logprobs)
+    common_checks(model, req.logprobs, req.top_logprobs)
+    output_format = ollama_format(req.format)
     options = svc.merged_options(model, req.options)
     if req.steps is not None:
         options["diffusion_steps"] = check_options({"diffusion_steps": req.steps})["diffusion_steps"]
@@ -149,7 +151,7 @@ async def generate(req: schemas.GenerateRequest, request: Request):
             text = render_messages(runner, messages, thinking, override)
         return context + runner.tokenize(text)
 
-    job = Job(svc, model, options, keep_alive)
+    job = Job(svc, model, options, keep_alive, output_format)
     stream = await job.start(request, build_prompt, req.think)
     return await _answer(request, stream, model, req.stream, chat=False, with_context=not req.raw)
 
@@ -184,7 +186,8 @@ async def chat(req: schemas.ChatRequest, request: Request):
         message.setdefault("content", "")
     if req.tools:
         raise RequestError(f"{model.full} does not support tools")
-    common_checks(model, req.format, req.logprobs, req.top_logprobs)
+    common_checks(model, req.logprobs, req.top_logprobs)
+    output_format = ollama_format(req.format)
     options = svc.merged_options(model, req.options)
     keep_alive = _keep_alive(req.keep_alive)
     if not messages:
@@ -197,7 +200,7 @@ async def chat(req: schemas.ChatRequest, request: Request):
     def build_prompt(runner, thinking):
         return inference.chat_prompt(runner, conversation, thinking, truncate)
 
-    job = Job(svc, model, options, keep_alive)
+    job = Job(svc, model, options, keep_alive, output_format)
     stream = await job.start(request, build_prompt, req.think)
     return await _answer(request, stream, model, req.stream, chat=True, with_context=False)
 

@@ -26,6 +26,7 @@ from dgemma_cli.server.streaming import (
     guarded_stream,
     sse_event,
 )
+from dgemma_cli.server.structured import OutputFormat, openai_format
 
 router = APIRouter(prefix="/v1")
 ERRORS = {
@@ -83,13 +84,14 @@ def _message_text(model, message: schemas.OpenAIMessage) -> str:
     return "".join(parts)
 
 
-async def _prepare(request: Request, req: Any, build_prompt, max_tokens: int | None, think: Any):
+async def _prepare(request: Request, req: Any, build_prompt, max_tokens: int | None, think: Any,
+                   output_format: OutputFormat | None = None):
     svc = services(request)
     if req.n is not None and req.n > 1:
         raise RequestError("n greater than 1 is not supported")
     model = await svc.resolve_runnable(req.model)
     options = svc.merged_options(model, _options(req, max_tokens))
-    job = Job(svc, model, options, None)
+    job = Job(svc, model, options, None, output_format)
     stream = await job.start(request, build_prompt, think)
     return model, stream
 
@@ -118,10 +120,11 @@ async def chat_completions(req: schemas.ChatCompletionRequest, request: Request)
     model_probe = await svc.resolve_runnable(req.model)
     if req.tools:
         raise RequestError(f"{model_probe.full} does not support tools")
-    fmt = None
-    if req.response_format is not None and req.response_format.type != "text":
-        fmt = "json"
-    common_checks(model_probe, fmt, req.logprobs, req.top_logprobs)
+    output_format = None
+    if req.response_format is not None:
+        schema = (req.response_format.json_schema or {}).get("schema")
+        output_format = openai_format(req.response_format.type, schema)
+    common_checks(model_probe, req.logprobs, req.top_logprobs)
     messages = []
     for message in req.messages:
         role = message.role.lower()
@@ -134,7 +137,8 @@ async def chat_completions(req: schemas.ChatCompletionRequest, request: Request)
     def build_prompt(runner, thinking):
         return inference.chat_prompt(runner, messages, thinking, True)
 
-    model, stream = await _prepare(request, req, build_prompt, req.max_completion_tokens or req.max_tokens, think)
+    model, stream = await _prepare(request, req, build_prompt, req.max_completion_tokens or req.max_tokens, think,
+                                   output_format)
     head = _head("chatcmpl-", model)
 
     if req.stream:

@@ -31,10 +31,17 @@ class Runner(Protocol):
 
     def detokenize(self, ids: list[int]) -> str: ...
 
+    def compile_format(self, schema: dict | None) -> Any:
+        """The compiled output format for a JSON schema (None: any JSON object), passed back to `generate` as its
+        `constraint`; raises `dgemma_engine.constrained.ConstraintError` for one this vocabulary cannot write."""
+        ...
+
     def generate(
-        self, prompt_ids: list[int], sampler: SamplerSettings, max_new_tokens: int, cancel: threading.Event
+        self, prompt_ids: list[int], sampler: SamplerSettings, max_new_tokens: int, cancel: threading.Event,
+        constraint: Any = None,
     ) -> Iterator[Any]:
-        """Yields the generation loop's StepEvent / CanvasEvent / DoneEvent (`dgemma_engine.events`)."""
+        """Yields the generation loop's StepEvent / CanvasEvent / DoneEvent (`dgemma_engine.events`); with a
+        `constraint` from `compile_format`, the committed text follows that format (structured output)."""
         ...
 
     def close(self) -> None: ...
@@ -123,6 +130,7 @@ class EngineRunner:
         self.has_thinking = self.template.kind == "jinja" and "enable_thinking" in self.template.text
         self.size = os.path.getsize(local_model.gguf_path)
         self.size_vram = 0
+        self.gguf_path = str(local_model.gguf_path)
 
     def _new_context(self) -> Any:
         from dgemma_engine.model import Context
@@ -138,11 +146,22 @@ class EngineRunner:
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
+    def compile_format(self, schema: dict | None) -> Any:
+        from dgemma_engine.automata import AUTOMATA
+
+        return AUTOMATA.get(self.gguf_path, schema, self.metadata)  # blobs are content-addressed: the path is the key
+
     def generate(
-        self, prompt_ids: list[int], sampler: SamplerSettings, max_new_tokens: int, cancel: threading.Event
+        self, prompt_ids: list[int], sampler: SamplerSettings, max_new_tokens: int, cancel: threading.Event,
+        constraint: Any = None,
     ) -> Iterator[Any]:
+        from dgemma_engine.constrained import CanvasConstraint
         from dgemma_engine.generate import eos_ids_from_metadata, generate
 
+        canvas_constraint = None
+        if constraint is not None:  # fresh per generation: it follows the automaton's state across canvases
+            limit = sampler.num_predict if sampler.num_predict >= 1 else None
+            canvas_constraint = CanvasConstraint(constraint, token_limit=limit)
         ctx = self._take_context()
         try:
             ctx.reset()
@@ -154,6 +173,7 @@ class EngineRunner:
                 eos_ids=eos_ids_from_metadata(self.metadata),
                 tokenizer=self.tokenizer,
                 cancel=cancel,
+                constraint=canvas_constraint,
             )
         finally:
             with self._lock:

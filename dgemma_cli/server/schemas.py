@@ -166,3 +166,30 @@ class CompletionRequest(OpenAIRequest):
     prompt: str
     suffix: str | None = None
     logprobs: int | None = None
+
+
+class ResponsesTextFormat(RequestModel):
+    type: str
+    name: str | None = None
+    schema_: dict[str, JsonValue] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(RequestModel):
+    format: ResponsesTextFormat | None = None
+
+
+class ResponsesRequest(RequestModel):
+    """POST /v1/responses (OpenAI's Responses API as Ollama implements it)."""
+
+    model: str
+    input: str | list[dict[str, JsonValue]] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = None
+    text: ResponsesText | None = None
+    tools: list[dict[str, JsonValue]] | None = None
+    reasoning: dict[str, JsonValue] | None = None
+    truncation: str | None = None
