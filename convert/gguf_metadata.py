@@ -9,8 +9,7 @@ from gguf import GGML_QUANT_VERSION, GGUFValueType as V, size_label as gguf_size
 from dgemma_convert.hf_config import ModelConfig, SamplerDefaults
 from dgemma_convert.tensor_map import TensorSpec
 from dgemma_convert.tokenizer_meta import TOKENIZER_MODEL, TokenizerMeta
-
-ARCH = "diffusion-gemma"
+from dgemma_engine.arch import ARCH  # noqa: F401 (converter and requantize take it from here)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import socket
 import threading
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from dgemma_cli import env
 from dgemma_cli.errors import DgemmaError
 
 PROBE_TIMEOUT_S = 1.0
@@ -39,10 +39,7 @@ class ApiError(DgemmaError):
 
 def client_base_url(environ: dict[str, str] | None = None) -> str:
     """The server URL from `DGEMMA_HOST`; unspecified bind addresses (0.0.0.0, ::) become loopback for connecting."""
-    from dgemma_cli.server.config import DEFAULT_HOST, parse_host
-
-    env = os.environ if environ is None else environ
-    address = parse_host(env.get("DGEMMA_HOST", "").strip().strip("\"'") or DEFAULT_HOST)
+    address = env.HOST.get(environ)
     host = address.host
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
@@ -185,7 +182,7 @@ class Client:
 
 
 def _headers() -> dict[str, str]:
-    key = os.environ.get("DGEMMA_API_KEY", "").strip().strip("\"'")
+    key = env.API_KEY.get()
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 

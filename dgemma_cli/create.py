@@ -17,25 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from dgemma_engine.arch import ARCH
+
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gguf_check import GGUFError, GGUFInfo, read_gguf_info
 from dgemma_cli.modelfile import Modelfile, check_parameter_ranges, quote
 from dgemma_cli.names import ModelName
-from dgemma_cli.store import (
-    CONFIG_MEDIA_TYPE,
-    MEDIA_LICENSE,
-    MEDIA_MESSAGES,
-    MEDIA_MODEL,
-    MEDIA_PARAMS,
-    MEDIA_SYSTEM,
-    MEDIA_TEMPLATE,
-    Layer,
-    Store,
-    build_manifest,
-    canonical_json,
-)
+from dgemma_cli.store import (CONFIG_MEDIA_TYPE, MEDIA_LICENSE, MEDIA_MESSAGES, MEDIA_MODEL, MEDIA_PARAMS, MEDIA_SYSTEM,
+                              MEDIA_TEMPLATE, Layer, Store, build_manifest, canonical_json)
 
-FAMILY = "diffusion-gemma"
 QUANTIZE_TYPES = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q5_k_m": "Q5_K_M", "q4_k_m": "Q4_K_M", "q4_0": "Q4_0"}
 FLOAT_FILE_TYPES = {"F32", "F16", "BF16"}
 TEMPLATE_CHECK_TIMEOUT_S = 2.0
@@ -140,7 +130,7 @@ def _validated_gguf(path: Path) -> GGUFInfo:
         info = read_gguf_info(path)
     except GGUFError as exc:
         raise CreateError(f"supplied file was not in GGUF format ({exc})") from None
-    if info.architecture != FAMILY:
+    if info.architecture != ARCH:
         raise CreateError(f'model architecture "{info.architecture or "unknown"}" is not supported by dgemma')
     if "diffusion.canvas_length" not in info.metadata:
         raise CreateError("supplied file was not in GGUF format (diffusion.canvas_length is missing)")
@@ -312,7 +302,7 @@ def _from_local(store: Store, local: Path, quant: str | None, work: Path) -> Ite
         gguf, info = out, _validated_gguf(out)
     layer, status = _import_layer(store, gguf, MEDIA_MODEL, local.name)
     yield status
-    config = {"model_format": "gguf", "model_family": FAMILY, "model_families": [FAMILY],
+    config = {"model_format": "gguf", "model_family": ARCH, "model_families": [ARCH],
               "model_type": human_number(info.parameter_count), "file_type": info.file_type,
               "architecture": "amd64", "os": "linux"}
     return _Base([layer], config)
@@ -340,7 +330,7 @@ def _from_model(store: Store, parent_name: ModelName, quant: str | None) -> Iter
         yield {"status": f"using existing layer {layer.digest}"}
     config = {k: v for k, v in parent.config.items() if k != "template_format"}
     if not config.get("model_family"):
-        config.update(model_format="gguf", model_family=FAMILY, model_families=[FAMILY])
+        config.update(model_format="gguf", model_family=ARCH, model_families=[ARCH])
     return _Base(layers, config, dict(parent.parameters), list(parent.messages), list(parent.license),
                  parent.template, parent.system)
 
@@ -377,13 +367,7 @@ def _write_model(store: Store, name: ModelName, mf: Modelfile, base: _Base) -> I
     config_digest, config_size = store.write_blob(canonical_json(config))
 
     yield {"status": "writing manifest"}
-    try:
-        previous = store.read_manifest(name) if store.exists(name) else None
-    except DgemmaError:
-        previous = None
-    store.write_manifest(name, build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers))
-    if previous is not None:  # layers only the replaced manifest used
-        store.remove_unreferenced(set(previous.all_digests()) - {config_digest, *(layer.digest for layer in layers)})
+    store.replace_manifest(name, build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers))
     yield {"status": "success"}
 
 

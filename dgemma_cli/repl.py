@@ -6,12 +6,12 @@ newlines in one message). The history file is `~/.dgemma/history` unless `DGEMMA
 """
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from dgemma_cli import env
 from dgemma_cli.client import ApiError, Client
 from dgemma_cli.cmd_run import Output, RunSettings, Spinner, ensure_model, stream_answer
 from dgemma_cli.errors import DgemmaError
@@ -84,15 +84,6 @@ HELP_SHORTCUTS = """Available keyboard shortcuts:
 """
 
 
-def _flag_env(name: str) -> bool:
-    from dgemma_cli.server.config import parse_bool
-
-    try:
-        return parse_bool(os.environ.get(name, "").strip().strip("\"'"))
-    except DgemmaError:  # an unreadable value keeps the default (history on)
-        return False
-
-
 class History:
     """readline history persisted to `~/.dgemma/history` (when enabled)."""
 
@@ -132,7 +123,7 @@ class Repl:
         self.out = out
         self.read = read
         self.messages: list[dict[str, str]] = []
-        self.history = History(enabled=not _flag_env("DGEMMA_NOHISTORY"))
+        self.history = History(enabled=not env.NOHISTORY.get_or_default())  # unreadable: history on
 
     def say(self, text: str) -> None:
         self.out.write(text + "\n")

@@ -7,7 +7,6 @@ server never sees a local path (§8 C): it gets `files: {name: digest}` or `from
 """
 from __future__ import annotations
 
-import hashlib
 import re
 import tempfile
 from collections.abc import Callable, Iterator
@@ -17,6 +16,7 @@ from typing import Any
 
 from dgemma_cli.client import CALL_TIMEOUT, Client
 from dgemma_cli.modelfile import Modelfile
+from dgemma_cli.store import sha256_file
 
 UPLOAD_CHUNK = 1 << 20
 Progress = Callable[[dict[str, Any]], None]  # receives Ollama-style status objects (the progress renderer's input)
@@ -72,7 +72,7 @@ def ensure_blob(client: Client, path: Path, progress: Progress) -> str:
     named = _blob_name_digest(path)
     if named is not None and blob_exists(client, named):
         return named  # the server has this blob already; hashing many GB again would tell us nothing new
-    digest = _sha256_file(path)
+    digest = sha256_file(path)
     if not blob_exists(client, digest):
         upload_blob(client, digest, path, progress)
     return digest
@@ -82,14 +82,6 @@ def _blob_name_digest(path: Path) -> str | None:
     """`sha256:<hex>` for a file in a store's `blobs/` folder (what `show --modelfile` prints as FROM), else None."""
     match = re.fullmatch(r"sha256-([0-9a-f]{64})", path.name)
     return f"sha256:{match.group(1)}" if match and path.parent.name == "blobs" else None
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(UPLOAD_CHUNK):
-            h.update(block)
-    return "sha256:" + h.hexdigest()
 
 
 # ---- create: the local half ----------------------------------------------------------------------------------------
