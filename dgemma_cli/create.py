@@ -83,7 +83,7 @@ def check_jinja_template(text: str) -> None:
 
 # ---- FROM resolution -----------------------------------------------------------------------------------------------
 
-def _local_path(value: str, base_dir: Path, paths_within: Path | None) -> Path | None:
+def local_path(value: str, base_dir: Path, paths_within: Path | None) -> Path | None:
     """The existing local file or folder FROM names, else None (then it is a model name).
 
     With `paths_within` (the server, which must never open paths chosen by a client, §8 C) only files inside that
@@ -96,11 +96,11 @@ def _local_path(value: str, base_dir: Path, paths_within: Path | None) -> Path |
     return path if path.exists() else None
 
 
-def _is_hf_checkpoint(folder: Path) -> bool:
+def is_hf_checkpoint(folder: Path) -> bool:
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
 
-def _gguf_in_folder(folder: Path) -> Path:
+def gguf_in_folder(folder: Path) -> Path:
     """The one GGUF file in a folder; entries that resolve outside the folder are refused."""
     base = folder.resolve()
     found = []
@@ -125,7 +125,7 @@ def _check_values(mf: Modelfile) -> None:
             quote(text)  # raises `value may not contain '"""'`
 
 
-def _validated_gguf(path: Path) -> GGUFInfo:
+def validated_gguf(path: Path) -> GGUFInfo:
     try:
         info = read_gguf_info(path)
     except GGUFError as exc:
@@ -137,7 +137,7 @@ def _validated_gguf(path: Path) -> GGUFInfo:
     return info
 
 
-class _ByteCounter:
+class ByteCounter:
     """A dgemma_convert ProgressSink that only counts bytes (read from the create generator's thread)."""
 
     def __init__(self) -> None:
@@ -160,12 +160,12 @@ class _ByteCounter:
 PROGRESS_DIGEST = "0000000000000000000"  # what Ollama puts in `digest` for quantization progress
 
 
-def _converter_step(status: str, work: Callable[[_ByteCounter], None],
+def converter_step(status: str, work: Callable[[ByteCounter], None],
                     hide: dict[str, str]) -> Iterator[dict[str, Any]]:
     """Run a converter call in a worker thread and yield progress objects until it ends.
 
     Converter errors become CreateError with local paths replaced by plain names (no path leaks, §8 C)."""
-    counter, failure = _ByteCounter(), []
+    counter, failure = ByteCounter(), []
 
     def run() -> None:
         try:
@@ -260,7 +260,7 @@ def _create_model(name: ModelName | str, modelfile: Modelfile, store: Store, bas
 
     store.ensure_dirs()
     source = modelfile.from_ or ""
-    local = _local_path(source, base_dir, paths_within)
+    local = local_path(source, base_dir, paths_within)
     work = Path(tempfile.mkdtemp(prefix=".create-", dir=store.root))  # conversions; never inside blobs/
     try:
         if local is not None:
@@ -276,19 +276,19 @@ def _from_local(store: Store, local: Path, quant: str | None, work: Path) -> Ite
     """A GGUF file, a folder with one GGUF, or a checkpoint folder (converted) -> the model layer."""
     gguf = local
     if local.is_dir():
-        if _is_hf_checkpoint(local):
+        if is_hf_checkpoint(local):
             from dgemma_convert import convert
 
             yield {"status": "converting model"}
             gguf, outtype = work / "converted.gguf", (quant or "bf16").lower()
-            yield from _converter_step("converting model",
+            yield from converter_step("converting model",
                                        lambda sink: convert(local, gguf, outtype, threads=2, progress=sink),
                                        {str(gguf): gguf.name, str(local): local.name, str(work): "."})
             quant = None  # already written in the requested type
         else:
-            gguf = _gguf_in_folder(local)
+            gguf = gguf_in_folder(local)
     yield {"status": "parsing GGUF"}
-    info = _validated_gguf(gguf)
+    info = validated_gguf(gguf)
     if quant is not None:
         if info.file_type not in FLOAT_FILE_TYPES:
             raise CreateError("quantization is only supported from F32, F16 or BF16 models")
@@ -297,9 +297,9 @@ def _from_local(store: Store, local: Path, quant: str | None, work: Path) -> Ite
         status = f"quantizing {info.file_type} model to {quant}"
         yield {"status": status}
         src, out = gguf, work / "quantized.gguf"
-        yield from _converter_step(status, lambda sink: requantize(src, out, quant.lower(), threads=2, progress=sink),
+        yield from converter_step(status, lambda sink: requantize(src, out, quant.lower(), threads=2, progress=sink),
                                    {str(out): out.name, str(src): src.name, str(work): "."})
-        gguf, info = out, _validated_gguf(out)
+        gguf, info = out, validated_gguf(out)
     layer, status = _import_layer(store, gguf, MEDIA_MODEL, local.name)
     yield status
     config = {"model_format": "gguf", "model_family": ARCH, "model_families": [ARCH],

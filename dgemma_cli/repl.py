@@ -13,8 +13,9 @@ from typing import Any, TextIO
 
 from dgemma_cli import env
 from dgemma_cli.client import ApiError, Client
-from dgemma_cli.cmd_run import Output, RunSettings, Spinner, ensure_model, stream_answer
 from dgemma_cli.errors import DgemmaError
+from dgemma_cli.session import Output, RunSettings, ensure_model, stream_answer
+from dgemma_cli.ui import Spinner
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -346,7 +347,7 @@ class Repl:
             self.say("Model defined parameters:")
             self.say(show.get("parameters") or "No parameters were specified for this model.")
             if self.settings.options:
-                from dgemma_cli.cmd_store import go_value
+                from dgemma_cli.gotext import go_value
 
                 self.say("\nUser defined parameters:")
                 for key in sorted(self.settings.options):

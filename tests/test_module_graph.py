@@ -18,7 +18,7 @@ PACKAGES = {"dgemma_cli": ROOT / "dgemma_cli", "dgemma_engine": ROOT / "ggml_ext
 # Client-side modules: what a CLI command uses to talk to a server. They never reach dgemma_cli.server, not even
 # through another module (`local_server` is the one bridge that starts the app in-process).
 CLIENT_SIDE = ("dgemma_cli.client", "dgemma_cli.store_client", "dgemma_cli.render", "dgemma_cli.live_view",
-               "dgemma_cli.ui", "dgemma_cli.session", "dgemma_cli.names", "dgemma_cli.env", "dgemma_cli.durations",
+               "dgemma_cli.ui", "dgemma_cli.session", "dgemma_cli.names", "dgemma_cli.env", "dgemma_cli.gotext",
                "dgemma_cli.hosts")
 SERVER_PACKAGE = "dgemma_cli.server"
 

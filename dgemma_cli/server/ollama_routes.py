@@ -87,7 +87,7 @@ async def version(request: Request) -> JSONResponse:
 
 # ---- inference ----------------------------------------------------------------------------------------------------
 
-def _common_checks(model: ResolvedModel, fmt: Any, logprobs: bool | None, top_logprobs: int | None) -> None:
+def common_checks(model: ResolvedModel, fmt: Any, logprobs: bool | None, top_logprobs: int | None) -> None:
     if top_logprobs is not None and not 0 <= top_logprobs <= 20:
         raise RequestError("top_logprobs must be between 0 and 20")
     if logprobs or (top_logprobs or 0) > 0:
@@ -142,7 +142,7 @@ async def _load_or_unload(svc: Services, model: ResolvedModel, keep_alive: float
     return body
 
 
-class _Job:
+class GenerationJob:
     """What a generate/chat request resolved to once its model is resident."""
 
     def __init__(self, svc: Services, model: ResolvedModel, options: dict, keep_alive: float | None):
@@ -202,13 +202,13 @@ async def generate(req: schemas.GenerateRequest, request: Request):
         raise RequestError(f"{model.full} does not support insert")
     if req.images:
         raise RequestError(f"{model.full} does not support vision")
-    _common_checks(model, req.format, req.logprobs, req.top_logprobs)
+    common_checks(model, req.format, req.logprobs, req.top_logprobs)
     options = svc.merged_options(model, req.options)
     if req.steps is not None:
         options["diffusion_steps"] = check_options({"diffusion_steps": req.steps})["diffusion_steps"]
     keep_alive = _keep_alive(req.keep_alive)
     if not req.prompt:
-        job = _Job(svc, model, options, keep_alive)
+        job = GenerationJob(svc, model, options, keep_alive)
         return JSONResponse(await _load_or_unload(svc, model, keep_alive, job.num_ctx, chat=False, request=request))
 
     system = req.system if req.system is not None else model.local.system
@@ -223,10 +223,10 @@ async def generate(req: schemas.GenerateRequest, request: Request):
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": req.prompt}
             ]
-            text = _render(runner, messages, thinking, override)
+            text = render_chat_prompt(runner, messages, thinking, override)
         return context + runner.tokenize(text)
 
-    job = _Job(svc, model, options, keep_alive)
+    job = GenerationJob(svc, model, options, keep_alive)
     stream = await job.start(request, build_prompt, req.think)
     return await _answer(request, stream, model, req.stream, chat=False, with_context=not req.raw)
 
@@ -245,7 +245,8 @@ def _request_template(text: str) -> ChatTemplate:
     return ChatTemplate("go", text)
 
 
-def _render(runner, messages: list[dict], thinking: bool | None, override: ChatTemplate | None = None) -> str:
+def render_chat_prompt(runner, messages: list[dict], thinking: bool | None,
+                       override: ChatTemplate | None = None) -> str:
     try:
         if override is not None:
             return render_prompt(override, messages, thinking, getattr(runner, "special_tokens", None))
@@ -272,11 +273,11 @@ async def chat(req: schemas.ChatRequest, request: Request):
         message.setdefault("content", "")
     if req.tools:
         raise RequestError(f"{model.full} does not support tools")
-    _common_checks(model, req.format, req.logprobs, req.top_logprobs)
+    common_checks(model, req.format, req.logprobs, req.top_logprobs)
     options = svc.merged_options(model, req.options)
     keep_alive = _keep_alive(req.keep_alive)
     if not messages:
-        job = _Job(svc, model, options, keep_alive)
+        job = GenerationJob(svc, model, options, keep_alive)
         return JSONResponse(await _load_or_unload(svc, model, keep_alive, job.num_ctx, chat=True, request=request))
 
     conversation = with_model_messages(model, messages)
@@ -285,7 +286,7 @@ async def chat(req: schemas.ChatRequest, request: Request):
     def build_prompt(runner, thinking):
         return inference.chat_prompt(runner, conversation, thinking, truncate)
 
-    job = _Job(svc, model, options, keep_alive)
+    job = GenerationJob(svc, model, options, keep_alive)
     stream = await job.start(request, build_prompt, req.think)
     return await _answer(request, stream, model, req.stream, chat=True, with_context=False)
 

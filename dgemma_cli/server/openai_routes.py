@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse
 from dgemma_cli.server import inference, schemas
 from dgemma_cli.server.errors import NotFound, RequestError
 from dgemma_cli.server.inference import Final, Text
-from dgemma_cli.server.ollama_routes import _common_checks, _Job, _render, admitted, with_model_messages
+from dgemma_cli.server.ollama_routes import (GenerationJob, admitted, common_checks, render_chat_prompt,
+                                             with_model_messages)
 from dgemma_cli.server.services import services
 from dgemma_cli.server.streaming import (
     SSE,
@@ -81,7 +82,7 @@ async def _prepare(request: Request, req: Any, build_prompt, max_tokens: int | N
         raise RequestError("n greater than 1 is not supported")
     model = await svc.resolve_runnable(req.model)
     options = svc.merged_options(model, _options(req, max_tokens))
-    job = _Job(svc, model, options, None)
+    job = GenerationJob(svc, model, options, None)
     stream = await job.start(request, build_prompt, think)
     return model, stream
 
@@ -112,7 +113,7 @@ async def chat_completions(req: schemas.ChatCompletionRequest, request: Request)
     fmt = None
     if req.response_format is not None and req.response_format.type != "text":
         fmt = "json"
-    _common_checks(model_probe, fmt, req.logprobs, req.top_logprobs)
+    common_checks(model_probe, fmt, req.logprobs, req.top_logprobs)
     messages = []
     for message in req.messages:
         role = message.role.lower()
@@ -197,7 +198,7 @@ async def completions(req: schemas.CompletionRequest, request: Request):
     messages = with_model_messages(model_probe, [{"role": "user", "content": prompt}])
 
     def build_prompt(runner, thinking):
-        return runner.tokenize(_render(runner, messages, thinking))
+        return runner.tokenize(render_chat_prompt(runner, messages, thinking))
 
     model, stream = await _prepare(request, req, build_prompt, req.max_tokens, None)
     completion_id = "cmpl-" + secrets.token_hex(12)
