@@ -10,6 +10,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +99,9 @@ API_CALLS: list[tuple[str, str, str, Any]] = [
     ("not-found", "GET", "/api/nosuch", None),
 ]
 
-_VOLATILE_KEYS = re.compile(r"(_duration|_at|^created|^id|^system_fingerprint|^expires_in)$")
+_VOLATILE_KEYS = re.compile(r"(_duration|_at|^created|^system_fingerprint|^expires_in)$")
+_TIMING = re.compile(r"(duration|rate):(\s+)[\d.]+(µs|ms|s|m[\d.]+s|h[\dm.]+s)?")
+_AGO = re.compile(r"\b(\d+|About a|An?|Less than a) (second|minute|hour)s?( ago)?\b")
 _TMP = re.compile(r"/tmp/[^\s'\"]*|/private/[^\s'\"]*")
 _CHATCMPL = re.compile(r"\b(chatcmpl|cmpl)-[A-Za-z0-9]+")
 _ISO_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)?")
@@ -114,6 +118,8 @@ def normalise(value: Any) -> Any:
         value = _TMP.sub("<tmp>", value)
         value = _CHATCMPL.sub(r"\1-<id>", value)
         value = _ISO_TIME.sub("<time>", value)
+        value = _AGO.sub("<ago>", value)
+        value = _TIMING.sub(r"\1:\2<timing>", value)
         value = re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:<port>", value)
         return value
     return value
@@ -142,6 +148,13 @@ def _cli(env: dict[str, str], *args: str) -> dict[str, Any]:
     return {"code": code, "stdout": normalise(out), "stderr": normalise(err)}
 
 
+def _cli_process(env: dict[str, str], *args: str) -> dict[str, Any]:
+    """The installed `dgemma ARGS` in its own process (help shows the program's name; `run` writes to fd 1)."""
+    done = subprocess.run([str(Path(sys.executable).parent / "dgemma"), *args], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    return {"code": done.returncode, "stdout": normalise(done.stdout), "stderr": normalise(done.stderr)}
+
+
 def capture(work: Path, tiny_gguf: Path) -> dict[str, Any]:
     """Everything the golden holds, captured from the code as it is now; `work` is an empty scratch folder."""
     os.environ.setdefault("COLUMNS", "100")
@@ -151,7 +164,7 @@ def capture(work: Path, tiny_gguf: Path) -> dict[str, Any]:
     shutil.copyfile(tiny_gguf, gguf)
     result: dict[str, Any] = {"help": {}, "cli": {}, "api": {}}
     for words in HELP_COMMANDS:
-        result["help"][" ".join(words) or "dgemma"] = _cli(env, *words, "--help")
+        result["help"][" ".join(words) or "dgemma"] = _cli_process(env, *words, "--help")
 
     modelfile = work / "Modelfile"
     modelfile.write_text(f"FROM {gguf}\nPARAMETER diffusion_steps 4\nPARAMETER seed 7\nSYSTEM You are terse.\n")
@@ -169,7 +182,6 @@ def capture(work: Path, tiny_gguf: Path) -> dict[str, Any]:
         "rm-invalid-name": ["rm", "Bad Name!"],
         "cp-missing": ["cp", "nosuch", "other"],
         "run-bad-steps": ["run", "tiny", "--steps", "0", "hi"],
-        "run": ["run", "tiny", "--seed", "7", "--steps", "4", "Hello"],
         "debug-generate-bad-t": ["debug", "generate", str(gguf), "--prompt-ids", "2,10", "--t-min", "0.9",
                                  "--t-max", "0.1"],
         "debug-generate-bad-entropy": ["debug", "generate", str(gguf), "--prompt-ids", "2,10",
@@ -177,6 +189,8 @@ def capture(work: Path, tiny_gguf: Path) -> dict[str, Any]:
         "convert-missing": ["convert", str(work / "nosuch"), "--outfile", str(work / "x.gguf")],
     }.items():
         result["cli"][label] = _cli(env, *args)
+    result["cli"]["run"] = _cli_process(env, "run", "tiny", "--seed", "7", "--steps", "4", "Hello")
+    result["cli"]["run-verbose"] = _cli_process(env, "run", "tiny", "--seed", "7", "--steps", "4", "--verbose", "Hi")
 
     with ServeProcess(work / "store", {"DGEMMA_NOPRUNE": "1"}) as server, httpx.Client(base_url=server.url,
                                                                                        timeout=120) as http:

@@ -1,0 +1,191 @@
+"""Structured output for a canvas denoised in parallel: a constrained MAP decode at commit time.
+
+Autoregressive grammar sampling masks one next token at a time; a diffusion canvas has no "next" token. Instead, the
+canvas is denoised as usual and, when it is committed, its tokens are chosen jointly: the sequence that maximises the
+sum of per-position log-probabilities of the final step among those a token automaton accepts. The automaton comes
+from a JSON schema (or "any JSON object") compiled by `outlines-core` over the model's vocabulary; a dynamic program
+over positions × automaton states finds the best sequence exactly (docs/generation.md, "Structured output").
+
+After the value closes, a stop id ends the text and the remaining positions are unconstrained (never delivered).
+A canvas that cannot close the value ends in the best live state, and the next canvas continues from it; the last
+canvas the budget allows must close it whenever that is possible at all.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from dgemma_engine.errors import EngineError
+
+# Token types of a GGUF vocabulary (llama.cpp's numbering) that never occur inside JSON text.
+_NOT_TEXT_TYPES = {2, 3, 4, 5}    # unknown, control, user-defined, unused
+_BYTE_TYPE = 6
+_SPACE_MARK = "▁"
+
+
+class ConstraintError(EngineError):
+    """A schema that cannot be compiled, or a vocabulary that cannot write it."""
+
+
+def token_bytes(tokens: Sequence[str], token_types: Sequence[int] | None) -> dict[bytes, list[int]]:
+    """What each text token writes, as outlines-core's vocabulary map (bytes → ids). Special tokens are left out."""
+    out: dict[bytes, list[int]] = {}
+    for token_id, token in enumerate(tokens):
+        kind = int(token_types[token_id]) if token_types is not None and token_id < len(token_types) else 1
+        if kind in _NOT_TEXT_TYPES or not token:
+            continue
+        if kind == _BYTE_TYPE and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            written = bytes([int(token[3:5], 16)])
+        else:
+            written = token.replace(_SPACE_MARK, " ").encode("utf-8")
+        out.setdefault(written, []).append(token_id)
+    return out
+
+
+def schema_regex(schema: dict[str, Any] | None) -> str:
+    """The regular expression for a JSON schema; None means any JSON object (Ollama's `format: "json"`)."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    try:
+        return build_regex_from_schema(json.dumps(schema if schema is not None else {"type": "object"}))
+    except Exception as exc:  # outlines-core raises its own types for unsupported or invalid schemas
+        raise ConstraintError(f"unsupported JSON schema: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+
+
+@dataclass(frozen=True)
+class TokenAutomaton:
+    """A DFA over token ids, edges sorted by destination for the per-position max-reduction. State `end` (the last
+    one) is "value closed and a stop id written"."""
+
+    n_states: int
+    initial: int
+    src: np.ndarray
+    tok: np.ndarray
+    dst: np.ndarray
+    seg_starts: np.ndarray      # first edge of each destination that has incoming edges
+    seg_dst: np.ndarray         # that destination
+    finals: frozenset[int]
+
+    @property
+    def end(self) -> int:
+        return self.n_states - 1
+
+    @classmethod
+    def build(cls, transitions: dict[int, dict[int, int]], initial: int, finals: Sequence[int],
+              stop_ids: Sequence[int]) -> TokenAutomaton:
+        stops = set(int(t) for t in stop_ids)
+        states = sorted(set(transitions) | {d for edges in transitions.values() for d in edges.values()} | {initial})
+        number = {state: i for i, state in enumerate(states)}
+        end = len(states)
+        edges = [(number[s], t, number[d]) for s, out in transitions.items() for t, d in out.items() if t not in stops]
+        final_numbers = sorted(number[f] for f in finals if f in number)
+        edges += [(f, stop, end) for f in final_numbers for stop in sorted(stops)]
+        if not edges:
+            raise ConstraintError("the vocabulary cannot write any value of this schema")
+        arr = np.array(edges, dtype=np.int64)
+        arr = arr[np.argsort(arr[:, 2], kind="stable")]
+        src, tok, dst = (np.ascontiguousarray(arr[:, k]) for k in range(3))
+        seg_starts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]])
+        return cls(end + 1, number[initial], src, tok, dst, seg_starts, dst[seg_starts], frozenset(final_numbers))
+
+
+def compile_constraint(schema: dict[str, Any] | None, tokens: Sequence[str], token_types: Sequence[int] | None,
+                       stop_ids: Sequence[int]) -> TokenAutomaton:
+    """A JSON schema (None: any object) → token automaton for this vocabulary, ending in one of `stop_ids`."""
+    from outlines_core import Index, Vocabulary
+
+    if not stop_ids:
+        raise ConstraintError("structured output needs a stop token")
+    vocab_map = token_bytes(tokens, token_types)
+    for stop in stop_ids:
+        for ids in vocab_map.values():
+            if stop in ids:
+                ids.remove(stop)
+    vocab_map = {k: v for k, v in vocab_map.items() if v}
+    try:
+        index = Index(schema_regex(schema), Vocabulary(int(stop_ids[0]), vocab_map))
+    except ConstraintError:
+        raise
+    except Exception as exc:
+        raise ConstraintError(f"cannot compile the JSON schema for this vocabulary: {exc}") from exc
+    return TokenAutomaton.build(index.get_transitions(), index.get_initial_state(), index.get_final_states(),
+                                stop_ids)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+@dataclass(frozen=True)
+class ConstrainedCanvas:
+    ids: list[int]
+    state: int          # automaton state after the canvas (`end`: the value is closed)
+    log_prob: float
+
+
+def best_canvas(logits: np.ndarray, automaton: TokenAutomaton, state: int, must_close: bool) -> ConstrainedCanvas:
+    """The most probable canvas (sum of log-softmax over positions) that the automaton accepts from `state`.
+    must_close: end in the closed state if any such canvas exists; otherwise any live state may end it."""
+    logp = _log_softmax(np.asarray(logits, dtype=np.float32))
+    positions = logp.shape[0]
+    a = automaton
+    row_best = logp.argmax(axis=1)
+    row_max = logp[np.arange(positions), row_best]
+    score = np.full(a.n_states, -np.inf)
+    score[state] = 0.0
+    back = np.empty((positions, a.n_states), dtype=np.int64)  # edge taken into each state, -1: stayed closed
+    for i in range(positions):
+        cand = score[a.src] + logp[i, a.tok]
+        best = np.maximum.reduceat(cand, a.seg_starts)
+        winners = np.flatnonzero(cand == np.repeat(best, np.diff(np.r_[a.seg_starts, len(cand)])))
+        seg_of = np.searchsorted(a.seg_starts, winners, side="right") - 1
+        first = winners[np.r_[True, seg_of[1:] != seg_of[:-1]]]
+        new = np.full(a.n_states, -np.inf)
+        new[a.seg_dst] = best
+        back[i, a.seg_dst] = first
+        stay = score[a.end] + row_max[i]
+        if stay > new[a.end]:
+            new[a.end] = stay
+            back[i, a.end] = -1
+        score = new
+    if must_close and np.isfinite(score[a.end]):
+        last = a.end
+    else:
+        last = int(np.argmax(score))
+    if not np.isfinite(score[last]):
+        raise ConstraintError("no canvas satisfies the output format from this point")
+    ids = [0] * positions
+    s = last
+    for i in range(positions - 1, -1, -1):
+        edge = back[i, s]
+        if edge < 0:
+            ids[i] = int(row_best[i])
+        else:
+            ids[i] = int(a.tok[edge])
+            s = int(a.src[edge])
+    return ConstrainedCanvas(ids, last, float(score[last]))
+
+
+@dataclass
+class CanvasConstraint:
+    """The state of one constrained generation across its canvases."""
+
+    automaton: TokenAutomaton
+    state: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.state = self.automaton.initial
+
+    @property
+    def closed(self) -> bool:
+        return self.state == self.automaton.end
+
+    def commit(self, logits: np.ndarray, last: bool) -> list[int]:
+        """The canvas to commit instead of the argmax canvas. last: no canvas may follow this one."""
+        chosen = best_canvas(logits, self.automaton, self.state, must_close=last)
+        self.state = chosen.state
+        return chosen.ids
