@@ -18,12 +18,17 @@ BENCH_MODEL = WORK / "bench-mid"  # what make_bench_model.py builds
 GGUF_DIR = WORK / "gguf"
 
 
-def add_model_arguments(ap: argparse.ArgumentParser) -> None:
-    """--model, --gguf-dir, --types, --threads: the bench-mid checkpoint and the GGUF types converted from it."""
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments every bench-mid comparison takes: the checkpoint, the GGUF types converted from it (into
+    --gguf-dir), the thread count, whether to skip transformers, and where to write the JSON report."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=BENCH_MODEL, help="bench-mid HF folder")
     ap.add_argument("--gguf-dir", type=Path, default=GGUF_DIR)
     ap.add_argument("--types", default="f32,q8_0,q4_k_m")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--json", type=Path)
+    return ap
 
 
 def model_vocab_size(model: Path) -> int:

@@ -12,7 +12,6 @@ Also: one sampler step alone (fast and torch RNG) next to one decoder step, on t
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -121,14 +120,11 @@ def time_sampler_vs_step(gguf: Path, prompt: list[int], args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_model_arguments(ap)
+    ap = common.bench_parser(__doc__)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     vocab = common.model_vocab_size(args.model)
     prompt = [2] + np.random.default_rng(0).integers(10, vocab, args.prompt_tokens - 1).tolist()

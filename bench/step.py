@@ -16,7 +16,6 @@ share; sampler = one entropy-bound sampler step on the step's logits (measured).
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import gc
 import json
@@ -202,13 +201,10 @@ def time_transformers(model_dir: Path, ctx_ids: np.ndarray, canvas: np.ndarray, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_model_arguments(ap)
+    ap = common.bench_parser(__doc__)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--canvas", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     vocab = common.model_vocab_size(args.model)
     rng = np.random.default_rng(0)
