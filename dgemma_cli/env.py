@@ -5,7 +5,7 @@ and quotes (`clean`), then applies the variable's parser; an unset variable give
 parser refuses does is the reader's choice: the server logs `ignoring NAME=...` and keeps the default
 (`ServerConfig.from_env`), the CLI and the pull options quietly keep the default (`Var.get_or_default`).
 Only `DGEMMA_*` variables are read: a machine that also runs Ollama must not have dgemma bind its port or use its
-store. docs/server.md and docs/store.md list these variables (`markdown_table` writes the rows).
+store. docs/server.md, docs/store.md and docs/engine.md list these variables (`DOCS`; a test keeps them equal).
 """
 from __future__ import annotations
 
@@ -201,6 +201,19 @@ def markdown_table(variables: tuple[Var, ...]) -> str:
     """The docs' table of `variables`: one `| name | kind | default | meaning |` row each."""
     rows = ["| Variable | Kind | Default | |", "|---|---|---|---|"]
     for var in variables:
-        rows.append(f"| `{var.name}` | {var.kind} | {f'`{var.shown_default}`' if var.shown_default else '–'} | "
-                    f"{var.description} |")
+        rows.append(f"| `{var.name}` | {var.kind} | {_shown(var.shown_default)} | {var.description} |")
     return "\n".join(rows)
+
+
+def _shown(default: str) -> str:
+    if not default:
+        return "–"
+    return default if default in ("unset", "off") else f"`{default}`"
+
+
+def docs_block(variables: tuple[Var, ...], marker: str) -> str:
+    """The table between `<!-- env:MARKER -->` lines in a docs page (tests compare it with the page)."""
+    return f"<!-- env:{marker} -->\n{markdown_table(variables)}\n<!-- /env:{marker} -->"
+
+
+DOCS = {"docs/server.md": (SERVER, "server"), "docs/store.md": (CLIENT, "client"), "docs/engine.md": (ENGINE, "engine")}

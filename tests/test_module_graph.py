@@ -22,6 +22,16 @@ CLIENT_SIDE = ("dgemma_cli.client", "dgemma_cli.store_client", "dgemma_cli.rende
                "dgemma_cli.hosts")
 SERVER_PACKAGE = "dgemma_cli.server"
 
+# dgemma_cli's layers, top to bottom (docs/architecture.md): a module imports from its own layer or the ones below.
+LAYERS = (
+    ("commands", ("main", "cmd_run", "repl", "sudoku", "cmd_store", "cmd_serve", "cmd_convert", "cmd_debug")),
+    ("shared CLI", ("session", "ui", "render", "live_view")),
+    ("client", ("local_server", "client", "store_client")),
+    ("server", ("server",)),
+    ("store", ("create", "registry", "store", "modelfile", "gguf_check", "bundled")),
+    ("neutral", ("env", "hosts", "gotext", "names", "errors")),
+)
+
 
 def is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
@@ -99,7 +109,8 @@ def analyse(module: Module, modules: dict[str, Module]) -> None:
     def note_private(line: int, dotted: str) -> None:
         found = private_member(dotted, modules)
         if found is not None and not may_use_private(module, found[0], modules):
-            module.private_uses.append(f"{module.path.relative_to(ROOT)}:{line}: {dotted}")
+            shown = module.path.relative_to(ROOT) if module.path.is_relative_to(ROOT) else module.path
+            module.private_uses.append(f"{shown}:{line}: {dotted}")
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -236,12 +247,52 @@ def test_client_side_never_reaches_the_server(graph, name):
     assert not server, "client code reaches server code: " + path_to(server[0], parents)
 
 
-def test_the_checks_see_what_they_look_for():
-    """The analysis itself: a cycle, a function-level import and a private attribute use are all found."""
-    modules = {name: Module(name, Path(name), False) for name in ("p.a", "p.b", "p.c")}
-    modules["p.a"].imports = {"p.b"}
-    modules["p.b"].imports = {"p.c"}
-    modules["p.c"].imports = {"p.a"}
-    assert find_cycles(modules) == [["p.a", "p.b", "p.c"]]
-    assert private_member("p.b._hidden", modules) == ("p.b", "_hidden")
+def layer_of(name: str) -> int | None:
+    """The index in LAYERS of a dgemma_cli module (`dgemma_cli.server.*` all in `server`); None for the package."""
+    parts = name.split(".")
+    if parts[0] != "dgemma_cli" or len(parts) == 1:
+        return None
+    return next((i for i, (_, members) in enumerate(LAYERS) if parts[1] in members), -1)
+
+
+def test_every_cli_module_has_a_layer(graph):
+    unplaced = sorted(name for name in graph if layer_of(name) == -1)
+    assert not unplaced, f"add these to LAYERS (and to docs/architecture.md): {unplaced}"
+
+
+def test_no_module_imports_a_higher_layer(graph):
+    upward = []
+    for name, module in sorted(graph.items()):
+        here = layer_of(name)
+        for target in sorted(module.imports):
+            there = layer_of(target)
+            if here is not None and there is not None and 0 <= there < here:
+                upward.append(f"{name} ({LAYERS[here][0]}) imports {target} ({LAYERS[there][0]})")
+    assert not upward, "imports against the layering:\n" + "\n".join(upward)
+
+
+def test_the_checks_see_what_they_look_for(tmp_path):
+    """The analysis itself, on a made-up package: a cycle through a function-level import, `from x import _name`,
+    `module._name` through a bound module, and a private submodule used from outside its package."""
+    sources = {
+        "a": "import p.b\n\ndef f():\n    return p.b._hidden\n",
+        "b": "def g():\n    from p.a import _helper\n    return _helper\n",
+        "c": "from q import _inner\n",
+    }
+    modules = {}
+    for short, text in sources.items():
+        path = tmp_path / f"{short}.py"
+        path.write_text(text)
+        modules[f"p.{short}"] = Module(f"p.{short}", path, False)
+    (tmp_path / "q").mkdir()
+    modules["q"] = Module("q", tmp_path / "q" / "__init__.py", True)
+    modules["q._inner"] = Module("q._inner", tmp_path / "q" / "_inner.py", False)
+    for path in (modules["q"].path, modules["q._inner"].path):
+        path.write_text("")
+    for module in modules.values():
+        analyse(module, modules)
+    assert modules["p.b"].imports == {"p.a"} and find_cycles(modules) == [["p.a", "p.b"]]
+    assert [use.split(": ")[-1] for use in modules["p.a"].private_uses] == ["p.b._hidden"]
+    assert [use.split(": ")[-1] for use in modules["p.b"].private_uses] == ["p.a._helper"]
+    assert [use.split(": ")[-1] for use in modules["p.c"].private_uses] == ["q._inner"]
     assert private_member("p.b.__version__", modules) is None
