@@ -191,7 +191,8 @@ CLIENT = (NOHISTORY, REGISTRY_MIRRORS, REGISTRY_ALLOW, PULL_PART_SIZE, PULL_STRE
           PULL_BACKOFF)
 
 # Read by the C engine itself (getenv), listed here so the table is complete.
-PROFILE_NODES = Var("DGEMMA_PROFILE_NODES", "any", None, "unset", "the engine prints one line per graph node (bench notes)")
+PROFILE_NODES = Var("DGEMMA_PROFILE_NODES", "any", None, "unset",
+                    "the engine prints one line per graph node (bench notes)")
 ENGINE = (PROFILE_NODES,)
 
 ALL = SERVER + CLIENT + ENGINE
