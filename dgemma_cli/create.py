@@ -19,19 +19,8 @@ from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gguf_check import GGUFError, GGUFInfo, check_runnable, read_gguf_info
 from dgemma_cli.modelfile import Modelfile, check_parameter_ranges, quote
 from dgemma_cli.names import ModelName
-from dgemma_cli.store import (
-    CONFIG_MEDIA_TYPE,
-    MEDIA_LICENSE,
-    MEDIA_MESSAGES,
-    MEDIA_MODEL,
-    MEDIA_PARAMS,
-    MEDIA_SYSTEM,
-    MEDIA_TEMPLATE,
-    Layer,
-    Store,
-    build_manifest,
-    canonical_json,
-)
+from dgemma_cli.store import (CONFIG_MEDIA_TYPE, MEDIA_LICENSE, MEDIA_MESSAGES, MEDIA_MODEL, MEDIA_PARAMS, MEDIA_SYSTEM,
+                              MEDIA_TEMPLATE, Layer, Store, build_manifest, canonical_json)
 from dgemma_convert.errors import ConvertError
 from dgemma_engine.errors import EngineError
 
