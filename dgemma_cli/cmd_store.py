@@ -218,6 +218,7 @@ def rm(models: list[str] = typer.Argument(..., help="models to delete")) -> None
 
     with _connect() as client:
         for model in models:
+            ModelName.parse(model)  # an invalid name is its one error line, with no unload attempt before it
             try:
                 unload_model(client, model)
             except ApiError as exc:
