@@ -18,6 +18,9 @@ from typing import Any
 log = logging.getLogger("dgemma.server")
 
 RenderIds = Callable[[list[dict]], list[int]]  # messages -> prompt token ids (render + tokenize)
+# A chat whose messages' own tokens exceed this many windows is not rendered whole (that alone can take the render
+# budget of docs/server.md for a long history); below it the whole chat is rendered first, as it most likely fits.
+WHOLE_RENDER_FACTOR = 2
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,6 @@ class FittedPrompt:
     ids: list[int]
     dropped_messages: int = 0
     dropped_tokens: int = 0  # cut from the start of the latest message
-    original_tokens: int = 0
 
 
 def message_text(message: dict[str, Any]) -> str:
@@ -42,33 +44,43 @@ def message_text(message: dict[str, Any]) -> str:
 def fit_chat(messages: list[dict], render_ids: RenderIds, count_tokens: Callable[[str], int], budget: int,
              truncate: bool, no_room: Callable[[int], Exception]) -> FittedPrompt:
     """Prompt ids of at most `budget` tokens (`no_room(tokens)` is raised when that is impossible or not wanted)."""
-    ids = render_ids(messages)
-    if len(ids) <= budget:
-        return FittedPrompt(ids, original_tokens=len(ids))
-    if not truncate or budget < 1:
-        raise no_room(len(ids))
-    chat = _Droppable(messages, render_ids, budget, ids)
-    drop = _smallest_fitting(chat.fits, chat.estimate(len(ids), count_tokens), len(chat.droppable))
+    chat = _Chat(messages, render_ids, budget, [count_tokens(message_text(m)) for m in messages])
+    if not truncate or budget < 1 or sum(chat.weights) <= WHOLE_RENDER_FACTOR * budget:
+        ids = chat.ids(0)
+        if len(ids) <= budget:
+            return FittedPrompt(ids)
+        if not truncate or budget < 1:
+            raise no_room(len(ids))
+        low, guess = 0, chat.estimate(0)
+    else:  # the messages' own text is far beyond the window: the whole chat is rendered only if it might fit after all
+        low, guess = -1, chat.estimate(0, sum(chat.weights))
+        if not chat.fits(guess):  # the estimate left out the template's own tokens: measure them once, guess again
+            low, guess = guess, chat.estimate(guess)
+    everything = len(chat.droppable)
+    drop = _smallest_fitting(chat.fits, guess, everything, low)
+    if drop == 0:
+        return FittedPrompt(chat.ids(0))
     if drop is not None:
-        fitted = FittedPrompt(chat.ids(drop), dropped_messages=drop, original_tokens=len(ids))
+        fitted = FittedPrompt(chat.ids(drop), dropped_messages=drop)
     else:
-        everything = len(chat.droppable)
         shortest = chat.ids(everything)
         tail = keep_latest_end(chat.kept(everything), shortest, render_ids, budget)
-        fitted = FittedPrompt(tail, everything, len(shortest) - len(tail), len(ids))
+        fitted = FittedPrompt(tail, everything, len(shortest) - len(tail))
     log_truncation(fitted, len(messages), budget)
     return fitted
 
 
-class _Droppable:
-    """The chat with its k oldest droppable messages (neither system nor the latest) left out, rendered on demand."""
+class _Chat:
+    """The chat with its `drop` oldest droppable messages (neither system nor the latest) left out, rendered on
+    demand, and each message's own token count (`weights`) for estimates."""
 
-    def __init__(self, messages: list[dict], render_ids: RenderIds, budget: int, full: list[int]):
+    def __init__(self, messages: list[dict], render_ids: RenderIds, budget: int, weights: list[int]):
         self.messages = messages
         self.render_ids = render_ids
         self.budget = budget
+        self.weights = weights
         self.droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
-        self._rendered: dict[int, list[int]] = {0: full}  # the whole chat, known to be too long
+        self._rendered: dict[int, list[int]] = {}
 
     def kept(self, drop: int) -> list[dict]:
         gone = set(self.droppable[:drop])
@@ -80,27 +92,31 @@ class _Droppable:
         return self._rendered[drop]
 
     def fits(self, drop: int) -> bool:
-        return drop > 0 and len(self.ids(drop)) <= self.budget
+        return len(self.ids(drop)) <= self.budget
 
-    def estimate(self, total: int, count_tokens: Callable[[str], int]) -> int:
-        """How many messages must go if each costs its text's tokens plus an equal share of the template's."""
-        weights = [count_tokens(message_text(m)) for m in self.messages]
-        overhead = max(0.0, (total - sum(weights)) / len(self.messages))
-        excess = total - self.budget
-        for drop, index in enumerate(self.droppable, start=1):
-            excess -= weights[index] + overhead
+    def estimate(self, drop: int, tokens: int | None = None) -> int:
+        """How many messages must go, from the size of the chat after `drop` (rendered, unless `tokens` is given):
+        each further message counts its own tokens plus an equal share of what the template adds."""
+        tokens = len(self.ids(drop)) if tokens is None else tokens
+        dropped = self.droppable[:drop]
+        kept_weight = sum(self.weights) - sum(self.weights[i] for i in dropped)
+        overhead = max(0.0, (tokens - kept_weight) / (len(self.messages) - len(dropped)))
+        excess = tokens - self.budget
+        for count, index in enumerate(self.droppable[drop:], start=drop + 1):
+            excess -= self.weights[index] + overhead
             if excess <= 0:
-                return drop
+                return count
         return len(self.droppable)
 
 
-def _smallest_fitting(fits: Callable[[int], bool], guess: int, most: int) -> int | None:
-    """The smallest k in 1..most with fits(k), for a monotone `fits` with fits(0) false: probe outwards from `guess`
-    in doubling steps until the answer is bracketed, then bisect. None when not even `most` fits."""
-    if most < 1:
+def _smallest_fitting(fits: Callable[[int], bool], guess: int, most: int, low: int) -> int | None:
+    """The smallest k in low+1..most with fits(k), for a monotone `fits` with fits(low) false (low -1: nothing is
+    known): probe outwards from `guess` in doubling steps until the answer is bracketed, then bisect. None when not
+    even `most` fits."""
+    if most <= low:
         return None
-    low, high = 0, None  # low never fits, high fits
-    guess = max(1, min(guess, most))
+    high = None  # low never fits, high fits
+    guess = max(low + 1, min(guess, most))
     step = 1
     if fits(guess):
         high = guess
@@ -152,14 +168,14 @@ def keep_end(ids: list[int], budget: int) -> list[int]:
 
 def log_truncation(fitted: FittedPrompt, messages: int, budget: int) -> None:
     log.warning("truncating the prompt to fit the context window (%d tokens for the prompt): dropped %d of %d "
-                "messages and %d tokens of the latest message (%d -> %d tokens)", budget, fitted.dropped_messages,
-                messages, fitted.dropped_tokens, fitted.original_tokens, len(fitted.ids))
+                "messages and %d tokens of the latest one; %d tokens left", budget, fitted.dropped_messages,
+                messages, fitted.dropped_tokens, len(fitted.ids))
 
 
 def fit_tokens(ids: list[int], budget: int) -> list[int]:
     """A single prompt cut to its last `budget` tokens (logged)."""
     if len(ids) <= budget or budget < 1:
         return ids
-    fitted = FittedPrompt(keep_end(ids, budget), dropped_tokens=len(ids) - budget, original_tokens=len(ids))
+    fitted = FittedPrompt(keep_end(ids, budget), dropped_tokens=len(ids) - budget)
     log_truncation(fitted, 1, budget)
     return fitted.ids
