@@ -174,7 +174,7 @@ async def chat_completions(req: schemas.ChatCompletionRequest, request: Request)
     think = req.reasoning_effort if req.reasoning_effort not in (None, "none") else None
 
     def build_prompt(runner, thinking, tools):
-        return inference.chat_prompt(runner, messages, thinking, True, tools)
+        return inference.chat_prompt(runner, messages, thinking, req.truncate is not False, tools)
 
     model, stream = await _prepare(request, req, build_prompt, req.max_completion_tokens or req.max_tokens, think,
                                    req.tools)
