@@ -8,13 +8,14 @@ import time
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
+from dgemma_engine.arch import ARCH
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from dgemma_cli import wire
 from dgemma_cli.errors import DgemmaError
+from dgemma_cli.gotext import parse_keep_alive
 from dgemma_cli.server import gotemplate, inference, schemas, truncation
-from dgemma_cli.server.durations import parse_keep_alive
 from dgemma_cli.server.errors import NotFound, RequestError
 from dgemma_cli.server.inference import Final, Progress, Text
 from dgemma_cli.server.jobs import Job, admitted, common_checks, render_messages, with_model_messages
@@ -260,7 +261,7 @@ async def tags(request: Request) -> JSONResponse:
             size=e.size,
             digest=e.digest,
             details=svc.details(e.details),
-            capabilities=["completion", "diffusion"] if e.details.get("family") == "diffusion-gemma" else ["completion"],
+            capabilities=["completion", "diffusion"] if e.details.get("family") == ARCH else ["completion"],
         )
         for e in entries
     ]

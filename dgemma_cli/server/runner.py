@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from dgemma_engine.arch import ARCH
+
 from dgemma_cli.server import gotemplate
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import SamplerSettings
-
-ARCHITECTURE = "diffusion-gemma"
 
 
 class Runner(Protocol):
@@ -124,7 +124,7 @@ class EngineRunner:
             hparams = self.model.hparams
             self.metadata = dict(self.model.metadata)
             architecture = self.metadata.get("general.architecture")
-            if architecture != ARCHITECTURE:
+            if architecture != ARCH:
                 raise RequestError(f'model architecture "{architecture}" is not supported by dgemma')
             self.canvas_length = int(hparams.canvas_length)
             self.context_length = max(1, min(int(num_ctx), int(hparams.n_ctx_train)))
