@@ -29,7 +29,7 @@ FLOAT_FILE_TYPES = {"F32", "F16", "BF16"}
 
 
 class CreateError(DgemmaError):
-    http_status = 400
+    status = 400
 
 
 def human_number(n: int) -> str:

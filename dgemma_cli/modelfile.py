@@ -47,7 +47,7 @@ _SEMVER_RE = re.compile(r"v?(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(-[0-9A-Za-z
 
 
 class ModelfileError(DgemmaError):
-    http_status = 400
+    status = 400
 
 
 @dataclass(frozen=True)

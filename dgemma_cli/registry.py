@@ -53,25 +53,25 @@ MIN_PART, MAX_PART = 100_000_000, 1_000_000_000
 
 
 class PullError(DgemmaError):
-    http_status = 500
+    status = 500
 
 
 class ManifestNotFoundError(PullError):
-    http_status = 404
+    status = 404
 
 
 class RegistryError(PullError):
     """The registry (or a redirect target) misbehaved or refused."""
 
-    http_status = 502
+    status = 502
 
 
 class BlockedHostError(PullError):
-    http_status = 400
+    status = 400
 
 
 class PullCancelled(PullError):
-    http_status = 499
+    status = 499
 
     def __init__(self) -> None:
         super().__init__("pull cancelled")

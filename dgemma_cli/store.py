@@ -54,14 +54,14 @@ _BLOB_NAME_RE = re.compile(r"sha256-[0-9a-f]{64}", re.ASCII)
 
 
 class InvalidDigestError(DgemmaError):
-    http_status = 400
+    status = 400
 
     def __init__(self) -> None:
         super().__init__("invalid digest format")
 
 
 class ModelNotFoundError(DgemmaError):
-    http_status = 404
+    status = 404
 
     def __init__(self, name: str) -> None:
         super().__init__(f"model '{name}' not found")
@@ -69,7 +69,7 @@ class ModelNotFoundError(DgemmaError):
 
 
 class InvalidManifestError(DgemmaError):
-    http_status = 400
+    status = 400
 
 
 def normalize_digest(digest: str) -> str:
