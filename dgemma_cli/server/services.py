@@ -15,6 +15,7 @@ from dgemma_cli.names import ModelName
 from dgemma_cli.server.config import ServerConfig
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import check_options
+from dgemma_cli.server.runner import ChatTemplate, jinja_template_text, tool_format_of
 from dgemma_cli.server.scheduler import Scheduler
 from dgemma_cli.store import ModelNotFoundError, Store
 from dgemma_cli.wire import ModelDetails, ShowResponse, TensorInfo
@@ -138,6 +139,8 @@ class Services:
         capabilities = ["completion"]
         if metadata.get("general.architecture", (local.config or {}).get("model_family")) == ARCH:
             capabilities.append("diffusion")
+        if tool_format_of(ChatTemplate("jinja", jinja_template_text(local, metadata) or "")) is not None:
+            capabilities.append("tools")  # before thinking, in Ollama's order
         if "enable_thinking" in str(template):
             capabilities.append("thinking")
         source = str(local.gguf_path) if self.config.host.is_loopback and local.gguf_path else local.name
