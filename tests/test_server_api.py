@@ -323,8 +323,12 @@ def test_worker_crash_is_an_error_line_and_reloads(make_server):
 def test_prompt_too_long_and_truncation(make_server):
     server, _, _ = make_server()
     with client(server) as c:
-        r = c.post("/api/generate", json={"model": "tiny", "prompt": "x" * 100, "options": {"num_ctx": 64}})
+        r = c.post("/api/generate", json={"model": "tiny", "prompt": "x" * 100, "truncate": False,
+                                          "options": {"num_ctx": 64}})
         assert r.status_code == 400 and "leaves no room for a diffusion canvas (8 tokens)" in r.json()["error"]
+        r = c.post("/api/generate", json={"model": "tiny", "prompt": "x" * 100, "stream": False,
+                                          "options": {"num_ctx": 64}})
+        assert r.status_code == 200  # truncated to its end, as Ollama does by default
         history = [{"role": "user", "content": "old " * 10}, {"role": "assistant", "content": "a"},
                    {"role": "user", "content": "new"}]
         r = c.post("/api/chat", json={"model": "tiny", "messages": history, "stream": False, "options": {"num_ctx": 64}})

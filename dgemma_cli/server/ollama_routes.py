@@ -154,7 +154,7 @@ async def generate(req: schemas.GenerateRequest, request: Request):
             ]
             text = render_messages(runner, messages, thinking, override)
         ids = context + runner.tokenize(text)
-        if req.truncate:  # asked for explicitly: keep the prompt's end (by default a too long prompt is a 400)
+        if req.truncate is not False:  # as Ollama: keep the prompt's end unless told not to (then a 400)
             return truncation.fit_tokens(ids, runner.context_length - runner.canvas_length)
         return ids
 
