@@ -207,7 +207,7 @@ async def create_response(req: schemas.ResponsesRequest, request: Request):
     effort = (req.reasoning or {}).get("effort")
     think = effort if effort not in (None, "none") else None
 
-    def build_prompt(runner, thinking):
+    def build_prompt(runner, thinking, _tools):
         return inference.chat_prompt(runner, messages, thinking, True)
 
     job = Job(svc, model, svc.merged_options(model, _options(req)), None, output_format)
