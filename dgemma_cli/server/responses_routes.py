@@ -3,6 +3,7 @@
 
 Only sampling fields the client sent are forwarded (no implicit temperature, as the other OpenAI routes).
 """
+import json
 import secrets
 import time
 from typing import Any
@@ -122,8 +123,6 @@ class ResponseBuilder:
         return ([self.reasoning(thinking)] if thinking else []) + [self.message(text)]
 
     def event(self, kind: str, **data: Any) -> bytes:
-        import json
-
         payload = {"type": kind, "sequence_number": self.sequence, **data}
         self.sequence += 1
         body = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))

@@ -4,6 +4,7 @@ all read into one `OutputFormat` (docs/generation.md, "Structured output"; docs/
 A schema is checked here, in the request (a 400 before any model load); it is compiled against the model's
 vocabulary once the model is resident (`Runner.compile_format`).
 """
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +23,6 @@ ANY_OBJECT = OutputFormat(None)
 
 def checked_schema(schema: Any) -> OutputFormat:
     """A JSON schema object the compiler supports, else a one-line 400."""
-    import json
-
     from dgemma_engine.constrained import ConstraintError, schema_regex
 
     if not isinstance(schema, dict):
