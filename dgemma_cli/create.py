@@ -77,6 +77,8 @@ def _local_path(value: str, base_dir: Path, paths_within: Path | None) -> Path |
 
     With `paths_within` (the server, which must never open paths chosen by a client, §8 C) only files inside that
     folder count; anything else falls through to model-name validation."""
+    if "\x00" in value:  # no file has such a name (and the OS calls would raise); the name check refuses it
+        return None
     path = Path(value).expanduser()
     if not path.is_absolute():
         path = base_dir / path

@@ -16,6 +16,7 @@ from dgemma_cli.server import inference, schemas
 from dgemma_cli.server.errors import NotFound, RequestError
 from dgemma_cli.server.inference import Final, Text
 from dgemma_cli.server.jobs import Job, admitted, common_checks, render_messages, with_model_messages
+from dgemma_cli.server.routing import CheckedRoute
 from dgemma_cli.server.services import services
 from dgemma_cli.server.streaming import (
     SSE,
@@ -26,8 +27,9 @@ from dgemma_cli.server.streaming import (
     guarded_stream,
     sse_event,
 )
+from dgemma_cli.server.validation import chat_role, check_chat_size, single_prompt
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=CheckedRoute)
 ERRORS = {
     400: {"model": wire.OpenAIError},
     404: {"model": wire.OpenAIError},
@@ -83,6 +85,10 @@ def _message_text(model, message: schemas.OpenAIMessage) -> str:
     return "".join(parts)
 
 
+def _num_ctx(svc, model) -> int:
+    return svc.num_ctx(model, svc.merged_options(model, None))  # OpenAI requests cannot set num_ctx
+
+
 async def _prepare(request: Request, req: Any, build_prompt, max_tokens: int | None, think: Any):
     svc = services(request)
     if req.n is not None and req.n > 1:
@@ -124,11 +130,9 @@ async def chat_completions(req: schemas.ChatCompletionRequest, request: Request)
     common_checks(model_probe, fmt, req.logprobs, req.top_logprobs)
     messages = []
     for message in req.messages:
-        role = message.role.lower()
-        if role == "developer":
-            role = "system"
-        messages.append({"role": role, "content": _message_text(model_probe, message)})
+        messages.append({"role": chat_role(message.role), "content": _message_text(model_probe, message)})
     messages = with_model_messages(model_probe, messages)
+    check_chat_size(_num_ctx(svc, model_probe), messages, truncate=True)
     think = req.reasoning_effort if req.reasoning_effort not in (None, "none") else None
 
     def build_prompt(runner, thinking):
@@ -176,9 +180,10 @@ async def completions(req: schemas.CompletionRequest, request: Request):
         raise RequestError(f"{model_probe.full} does not support insert")
     if req.logprobs:
         raise RequestError(f"{model_probe.quoted} does not support logprobs")
-    prompt = req.prompt
+    prompt = single_prompt(req.prompt)
 
     messages = with_model_messages(model_probe, [{"role": "user", "content": prompt}])
+    check_chat_size(_num_ctx(svc, model_probe), messages, truncate=False)
 
     def build_prompt(runner, thinking):
         return runner.tokenize(render_messages(runner, messages, thinking))
