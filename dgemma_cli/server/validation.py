@@ -3,7 +3,7 @@
 Every JSON body is parsed by `parse_body` (through `routing.CheckedRoute`), before the request models see it, so the
 same rules hold for every field of every endpoint:
 - numbers: integers within 64 bits, other numbers finite doubles (`1e400` or a 400-digit integer would otherwise
-  overflow wherever it is converted) → `invalid value for options.temperature: number out of range`;
+  overflow wherever it is converted) → `invalid value for max_tokens: number out of range`;
 - strings (values and keys): valid Unicode, i.e. no lone surrogate (`"\\udfff"` is legal JSON but no UTF-8 text)
   → `invalid Unicode in messages.0.content: lone surrogate U+DFFF`;
 - nesting: at most `MAX_DEPTH` levels.
@@ -23,10 +23,13 @@ from dgemma_cli.server.errors import RequestError
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_DEPTH = 100  # JSON levels; tool and format schemas nest a few dozen at most
-# No tokenizer token covers more characters than this, so longer text cannot fit num_ctx tokens (docs/server.md).
+# A generous bound on the characters one token covers: longer text cannot fit num_ctx tokens (docs/server.md).
 PROMPT_CHARS_PER_TOKEN = 64
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+# Values in these top-level objects are named like every other option error does: by the option alone
+# (`invalid value for temperature: ...`, not `options.temperature`).
+OPTION_OBJECTS = ("options", "parameters")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _MAX_INT_DIGITS = len(str(INT64_MIN))
 
@@ -112,7 +115,8 @@ def check_tree(value: Any) -> None:
             if isinstance(key, str) and (broken := lone_surrogate(key)) is not None:
                 _raise_for(_join(path, key), broken)
             if isinstance(child, dict | list):
-                pending.append((_join(path, key), child, depth + 1))
+                bare = depth == 1 and key in OPTION_OBJECTS and isinstance(child, dict)
+                pending.append(("" if bare else _join(path, key), child, depth + 1))
             elif (broken := _broken_rule(child)) is not None:
                 _raise_for(_join(path, key), broken)
 
