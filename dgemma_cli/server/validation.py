@@ -73,7 +73,8 @@ def lone_surrogate(text: str) -> str | None:
 
 
 def invalid_unicode(field: str, code_point: str) -> RequestError:
-    return RequestError(f"invalid Unicode in {field}: lone surrogate {code_point}")
+    shown = field.encode("utf-8", "backslashreplace").decode()  # a key may be the bad string itself
+    return RequestError(f"invalid Unicode in {shown}: lone surrogate {code_point}")
 
 
 def check_text(field: str, text: str) -> None:
