@@ -350,6 +350,7 @@ async def create(req: schemas.CreateRequest, request: Request):
         raise RequestError("the server does not read Modelfiles or paths; send 'from', 'files' and the other fields")
     name = svc.parse_name(_model_text(req.model, req.name))
     check_name_text(req.from_)
+    check_options(req.parameters)  # typed like request options, so that a created model's parameters can run
     if not req.from_ and not req.files:
         raise RequestError("neither 'from' or 'files' was specified")
     for key, digest in (req.files or {}).items():
