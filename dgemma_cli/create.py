@@ -131,6 +131,11 @@ def _validated_gguf(path: Path) -> GGUFInfo:
         raise CreateError(f"model file cannot be run: {exc}") from None
     if "tokenizer.ggml.model" in info.metadata:
         _check_tokenizer(path)
+    if not any(t.name == "token_embd.weight" for t in info.tensors):  # the engine's first binding (a damaged file)
+        raise CreateError("model file cannot be run: GGUF is missing tensor 'token_embd.weight'")
+    template = info.metadata.get("tokenizer.chat_template")
+    if isinstance(template, str) and template:
+        check_jinja_template(template)  # the file's own template is what chats render with
     return info
 
 
