@@ -1,6 +1,6 @@
 """End-to-end generation speed on bench-mid: dgemma (F32, Q8_0, Q4_K_M) against transformers generate(), one run.
 
-    python3 bench/make_bench_model.py              # once: /tmp/dgemma-bench/bench-mid (HF, fp32)
+    python3 bench/make_bench_model.py              # once: bench/work/bench-mid (HF, fp32)
     python3 bench/generate.py [--threads 2] [--steps 16] [--max-new-tokens 512] [--json out.json]
 
 Same weights, prompt, seed and sampler settings for both (torch RNG mode for dgemma, so at F32 the two follow the
@@ -12,16 +12,13 @@ Also: one sampler step alone (fast and torch RNG) next to one decoder step, on t
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-DEFAULT_MODEL = Path("/tmp/dgemma-bench/bench-mid")
+import common
 
 
 def run_transformers(model_dir: Path, prompt: list[int], args) -> dict:
@@ -123,21 +120,13 @@ def time_sampler_vs_step(gguf: Path, prompt: list[int], args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="bench-mid HF folder")
-    ap.add_argument("--gguf-dir", type=Path, default=Path("/tmp/dgemma-bench/gguf"))
-    ap.add_argument("--types", default="f32,q8_0,q4_k_m")
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap = common.bench_parser(__doc__)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    if not args.model.is_dir():
-        sys.exit(f"{args.model} not found: run bench/make_bench_model.py first")
-    vocab = json.loads((args.model / "config.json").read_text())["text_config"]["vocab_size"]
+    vocab = common.model_vocab_size(args.model)
     prompt = [2] + np.random.default_rng(0).integers(10, vocab, args.prompt_tokens - 1).tolist()
 
     from dgemma_convert import convert

@@ -14,7 +14,7 @@ import time
 
 from rich.console import Console
 
-from dgemma_cli.client import connect
+from dgemma_cli.local_server import connect
 from dgemma_cli.live_view import LiveView
 
 

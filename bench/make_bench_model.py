@@ -1,8 +1,8 @@
 """Build the 'bench-mid' benchmark checkpoint (random weights, fixed geometry) as a Hugging Face folder.
 
-    python3 bench/make_bench_model.py [OUT_DIR] [--config /work/shared/bench/bench-mid.json]
+    python3 bench/make_bench_model.py [OUT_DIR] [--config bench/configs/bench-mid.json]
 
-Default OUT_DIR: /tmp/dgemma-bench/bench-mid (not committed; ~1.6 GB fp32). Recipe from /work/shared/bench/README.md:
+Default OUT_DIR: bench/work/bench-mid (ignored by git; ~1.6 GB fp32). Recipe (bench/configs/README.md):
 drop `_comment`, `architectures`, `model_type` from the JSON, pass the rest to `DiffusionGemmaConfig`, instantiate
 `DiffusionGemmaForBlockDiffusion` after `torch.manual_seed(0)`, `save_pretrained`, then add the released
 `generation_config.json` and a Gemma-style BPE tokenizer with exactly `vocab_size` entries (plus the fixtures' chat
@@ -17,12 +17,13 @@ import shutil
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from common import BENCH_MODEL, CONFIGS, REPO
+
 sys.path.insert(0, str(REPO / "tests" / "reference"))
 
-DEFAULT_CONFIG = Path("/work/shared/bench/bench-mid.json")
-DEFAULT_GENERATION_CONFIG = Path("/work/shared/bench/generation_config.json")
-DEFAULT_OUT = Path("/tmp/dgemma-bench/bench-mid")
+DEFAULT_CONFIG = CONFIGS / "bench-mid.json"
+DEFAULT_GENERATION_CONFIG = CONFIGS / "generation_config.json"
+DEFAULT_OUT = BENCH_MODEL
 DROPPED_KEYS = ("_comment", "architectures", "model_type")
 
 

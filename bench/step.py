@@ -1,6 +1,6 @@
 """Time one decoder step (256-token canvas after a 512-token context) on bench-mid, against transformers, in one run.
 
-    python3 bench/make_bench_model.py                       # once: /tmp/dgemma-bench/bench-mid (HF, fp32)
+    python3 bench/make_bench_model.py                       # once: bench/work/bench-mid (HF, fp32)
     python3 bench/step.py [--threads 2] [--types f32,q8_0,q4_k_m] [--json out.json]
 
 For each GGUF type (converted once into --gguf-dir): load (file size and RSS after load), encode the context, then
@@ -16,20 +16,17 @@ share; sampler = one entropy-bound sampler step on the step's logits (measured).
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import gc
 import json
-import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-DEFAULT_MODEL = Path("/tmp/dgemma-bench/bench-mid")
+import common
 
 
 def rss_mib() -> float:
@@ -204,21 +201,12 @@ def time_transformers(model_dir: Path, ctx_ids: np.ndarray, canvas: np.ndarray, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="bench-mid HF folder")
-    ap.add_argument("--gguf-dir", type=Path, default=Path("/tmp/dgemma-bench/gguf"))
-    ap.add_argument("--types", default="f32,q8_0,q4_k_m")
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap = common.bench_parser(__doc__)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--canvas", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    if not args.model.is_dir():
-        sys.exit(f"{args.model} not found: run bench/make_bench_model.py first")
-
-    vocab = json.loads((args.model / "config.json").read_text())["text_config"]["vocab_size"]
+    vocab = common.model_vocab_size(args.model)
     rng = np.random.default_rng(0)
     ctx_ids = rng.integers(0, vocab, args.ctx).astype(np.int32)
     canvas = rng.integers(0, vocab, args.canvas).astype(np.int32)

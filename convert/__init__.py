@@ -1,5 +1,6 @@
 """HF DiffusionGemma checkpoint -> GGUF (llama.cpp PR #24423 layout), streamed and quantized with ggml's quantizers."""
-from dgemma_convert.converter import ConversionPlan, ConversionResult, ProgressSink, convert, plan, requantize
+from dgemma_convert.converter import ConversionPlan, ConversionResult, ProgressSink, convert, plan
 from dgemma_convert.errors import ConvertError
+from dgemma_convert.requantize import requantize
 
 __all__ = ["ConversionPlan", "ConversionResult", "ConvertError", "ProgressSink", "convert", "plan", "requantize"]

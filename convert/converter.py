@@ -173,10 +173,10 @@ def _tensor_bytes(t: PlannedTensor, entry: TensorEntry | None, ckpt: Checkpoint,
     if SAME_BYTES.get(entry.dtype) == t.ggml_type:  # bit-exact copy
         yield from ckpt.iter_raw(entry, RAW_CHUNK_BYTES, n_rows)
         return
-    yield from _encode(ckpt.iter_rows_f32(entry, CHUNK_ELEMENTS, n_rows), t.ggml_type, quantizer)
+    yield from encode_rows(ckpt.iter_rows_f32(entry, CHUNK_ELEMENTS, n_rows), t.ggml_type, quantizer)
 
 
-def _encode(chunks: Iterator[np.ndarray], ggml_type: T, quantizer: GGMLQuantizer | None) -> Iterator[np.ndarray]:
+def encode_rows(chunks: Iterator[np.ndarray], ggml_type: T, quantizer: GGMLQuantizer | None) -> Iterator[np.ndarray]:
     """float32 row chunks -> bytes of the output type."""
     for rows in chunks:
         if ggml_type == T.F32:
@@ -197,7 +197,3 @@ def float32_to_bf16(x: np.ndarray) -> np.ndarray:
     if is_nan.any():
         rounded[is_nan] = ((u[is_nan] >> 16) | 64).astype(np.uint16)
     return rounded
-
-
-# GGUF -> GGUF quantization lives in its own module; re-exported here, where `dgemma create` looks for it.
-from dgemma_convert.requantize import requantize  # noqa: E402,F401

@@ -9,9 +9,9 @@ from gguf import GGML_QUANT_VERSION, GGUFValueType as V, size_label as gguf_size
 from dgemma_convert.hf_config import ModelConfig, SamplerValues
 from dgemma_convert.tensor_map import TensorSpec
 from dgemma_convert.tokenizer_meta import TOKENIZER_MODEL, TokenizerMeta
+from dgemma_engine.arch import ARCH
 from dgemma_engine.settings import SAMPLER_SETTINGS, SamplerSetting
 
-ARCH = "diffusion-gemma"
 # The order of the sampler keys in the files dgemma has always written (conversions stay byte-identical); a setting
 # not listed here follows them.
 SAMPLER_KEY_ORDER = ("max_steps", "t_min", "t_max", "entropy_bound", "stability_threshold", "confidence_threshold")

@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T, GGUFValueType as V
 
 from dgemma_convert.converter import (CHUNK_ELEMENTS, RAW_CHUNK_BYTES, ConversionResult, PlannedTensor, ProgressSink,
-                                      _encode, make_quantizer, write_gguf)
+                                      encode_rows, make_quantizer, write_gguf)
 from dgemma_convert.errors import ConvertError
 from dgemma_convert.gguf_metadata import ARCH, KeyValue
 from dgemma_convert.quantize import FLOAT_TYPES, choose_types, nbytes, parse_outtype
@@ -103,7 +103,7 @@ def _tensor_bytes(fd: int, src: SourceTensor, t: PlannedTensor, quantizer) -> It
         yield from chunks
         return
     dtype = src.ggml_type.name  # "F32" / "F16" / "BF16": the safetensors names of the same encodings
-    yield from _encode((to_float32(raw, dtype).reshape(-1, src.spec.ne[0]) for raw in chunks), t.ggml_type,
+    yield from encode_rows((to_float32(raw, dtype).reshape(-1, src.spec.ne[0]) for raw in chunks), t.ggml_type,
                        quantizer)
 
 

@@ -2,64 +2,29 @@
 
 `run` resolves the model with `/api/show` (pulling it on a 404), gives registered task renderers a chance to handle
 the model (a bundled task model such as sudoku plugs in here), then runs one-shot over `/api/generate` when a prompt
-is given or stdin is piped, or the interactive REPL (`repl.py`) over `/api/chat` otherwise.
+is given or stdin is piped, or the interactive REPL (`repl.py`) over `/api/chat` otherwise. What one-shot mode and
+the REPL share (settings, output, streaming, model resolution) is `session.py`; terminal helpers are `ui.py`.
 """
 from __future__ import annotations
 
-import shutil
 import sys
-import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Optional, TextIO
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from typer.core import TyperCommand
 
 from dgemma_cli.errors import DgemmaError
-from dgemma_cli.render import AnswerPrinter, timing_block
+from dgemma_cli.session import TASK_RENDERERS, Output, RunSettings, TaskContext, ensure_model, stream_answer
+from dgemma_cli.ui import human_bytes, human_duration, is_tty, table
 
 if TYPE_CHECKING:  # httpx is imported only by the commands that talk to a server (keeps `dgemma --help` quick)
     from dgemma_cli.client import Client
 
-ARCHITECTURE = "diffusion-gemma"
 THINK_VALUES = ("true", "false", "high", "medium", "low", "max")
-SPINNER_FRAMES = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 
 
-# ---- settings shared by one-shot mode and the REPL ------------------------------------------------------------------
-
-@dataclass
-class RunSettings:
-    """Everything a `run` invocation (and later `/set` in the REPL) decides about requests and output."""
-
-    model: str
-    options: dict[str, Any] = field(default_factory=dict)
-    think: bool | str | None = None
-    hide_thinking: bool = False
-    keep_alive: str | None = None
-    verbose: bool = False
-    visual: bool = False
-    wordwrap: bool = True
-    format: str | None = None
-    insecure: bool = False
-    system: str | None = None
-    progress: bool = True  # spinner with canvas/step counters while no text has arrived
-
-    def request(self, **body: Any) -> dict[str, Any]:
-        """A generate/chat request body with the current options (progress chunks requested when `progress`)."""
-        out: dict[str, Any] = {"model": self.model, **body}
-        if self.options:
-            out["options"] = dict(self.options)
-        if self.think is not None:
-            out["think"] = self.think
-        if self.keep_alive is not None:
-            out["keep_alive"] = self.keep_alive
-        if self.format:
-            out["format"] = self.format
-        return out
-
+# ---- flags -----------------------------------------------------------------------------------------------------------
 
 def parse_think(value: str | None) -> bool | str | None:
     """`--think` (bare = true), `--think=false`, or a level; Ollama's error text otherwise."""
@@ -71,187 +36,7 @@ def parse_think(value: str | None) -> bool | str | None:
     return {"true": True, "false": False}.get(lowered, lowered)
 
 
-# ---- task renderers (model-specific front ends) ---------------------------------------------------------------------
-
-@dataclass
-class TaskContext:
-    """What a task renderer sees: the connected client, the model's `/api/show` answer, the one-shot prompt (None in
-    interactive mode) and the run settings."""
-
-    client: Client
-    show: dict[str, Any]
-    prompt: str | None
-    settings: RunSettings
-
-
-TaskRenderer = Callable[[TaskContext], bool]
-TASK_RENDERERS: list[TaskRenderer] = []
-
-
-def register_task_renderer(renderer: TaskRenderer) -> TaskRenderer:
-    """Register a hook called before generic chat handling; it returns True when it handled the run itself."""
-    TASK_RENDERERS.append(renderer)
-    return renderer
-
-
-# ---- terminal helpers -----------------------------------------------------------------------------------------------
-
-def is_tty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
-class Spinner:
-    """`⠋ denoising canvas 2 · step 17/48` on stderr, animated by a thread; a no-op when stderr is not a terminal."""
-
-    def __init__(self, stream: TextIO = sys.stderr, enabled: bool | None = None):
-        self.stream = stream
-        self.enabled = is_tty(stream) if enabled is None else enabled
-        self.message = ""
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._shown = False
-
-    def start(self, message: str = "") -> "Spinner":
-        self.message = message
-        if self.enabled and self._thread is None:
-            self._thread = threading.Thread(target=self._spin, daemon=True)
-            self._thread.start()
-        return self
-
-    def set(self, message: str) -> None:
-        self.message = message
-
-    def _spin(self) -> None:
-        frame = 0
-        while not self._stop.wait(0.1):
-            with self._lock:
-                if self._stop.is_set():
-                    return
-                self.stream.write(f"\r\x1b[K{SPINNER_FRAMES[frame % len(SPINNER_FRAMES)]} {self.message}")
-                self.stream.flush()
-                self._shown = True
-            frame += 1
-
-    def stop(self) -> None:
-        if self._thread is None:
-            return
-        with self._lock:
-            self._stop.set()
-            if self._shown:
-                self.stream.write("\r\x1b[K")
-                self.stream.flush()
-        self._thread.join()
-        self._thread = None
-
-
-def chunk_text(chunk: dict[str, Any]) -> tuple[str, str]:
-    """(content, thinking) of a generate or chat chunk."""
-    message = chunk.get("message")
-    if isinstance(message, dict):
-        return str(message.get("content") or ""), str(message.get("thinking") or "")
-    return str(chunk.get("response") or ""), str(chunk.get("thinking") or "")
-
-
-def is_progress(chunk: dict[str, Any]) -> bool:
-    return not chunk.get("done") and "completed" in chunk and "canvas" in chunk
-
-
-@dataclass
-class Output:
-    """Where and how a generation is shown: stdout/stderr, colours, wrapping, live view."""
-
-    settings: RunSettings
-    out: TextIO = sys.stdout
-    err: TextIO = sys.stderr
-    interactive_ui: bool = True  # spinner and live view allowed (a terminal on stdout)
-
-    @property
-    def visual(self) -> bool:
-        return self.settings.visual and self.interactive_ui
-
-    def wants_progress(self) -> bool:
-        return self.visual or (self.settings.progress and self.interactive_ui and is_tty(self.err))
-
-
-def stream_answer(chunks: Iterator[dict[str, Any]], output: Output) -> tuple[dict[str, Any] | None, str]:
-    """Show one streamed answer; returns (final chunk, answer content). KeyboardInterrupt propagates after the output
-    has been closed cleanly (the caller closes `chunks`, which aborts the HTTP request)."""
-    settings = output.settings
-    tty = is_tty(output.out)
-    width = shutil.get_terminal_size((80, 24)).columns
-    printer = AnswerPrinter(out=output.out, color=tty, hide_thinking=settings.hide_thinking,
-                            wrap_width=width - 1 if (tty and settings.wordwrap and output.interactive_ui) else None)
-    spinner = Spinner(output.err, enabled=settings.progress and output.interactive_ui and is_tty(output.err)
-                      and not output.visual)
-    live = None
-    if output.visual:
-        from rich.console import Console
-
-        from dgemma_cli.live_view import LiveView
-
-        live = LiveView(Console(file=output.out), hide_thinking=settings.hide_thinking).__enter__()
-    spinner.start("")
-    final = None
-    answer = ""
-    try:
-        for chunk in chunks:
-            if chunk.get("done"):
-                final = chunk
-                continue
-            if is_progress(chunk):
-                if live is not None:
-                    live.on_progress(chunk)
-                else:
-                    spinner.set(f"denoising canvas {chunk['canvas']} · step {chunk['completed']}/{chunk['total']}")
-                continue
-            content, thinking = chunk_text(chunk)
-            if not content and not thinking:
-                continue
-            answer += content
-            if live is not None:
-                live.on_text(content, thinking)
-            else:
-                spinner.stop()
-                printer.thinking(thinking)
-                printer.content(content)
-    finally:
-        spinner.stop()
-        if live is not None:
-            live.finish()
-        else:
-            printer.finish()
-    if final is not None and settings.verbose:
-        block = timing_block(final)
-        if block:
-            output.err.write(("\n" if tty else "") + block + "\n")
-            output.err.flush()
-    return final, answer
-
-
-# ---- model resolution -----------------------------------------------------------------------------------------------
-
-def ensure_model(client: Client, model: str, insecure: bool = False, pull: bool = True) -> dict[str, Any]:
-    """`/api/show`, pulling the model first on a 404 (Ollama's run), then the architecture check."""
-    from dgemma_cli.client import ApiError
-
-    try:
-        show = client.show(model)
-    except ApiError as exc:
-        if exc.status != 404 or not pull:
-            raise
-        from dgemma_cli.cmd_store import ProgressRenderer
-
-        ProgressRenderer().run(client.pull(model, insecure))  # as `dgemma pull`
-        show = client.show(model)
-    architecture = (show.get("model_info") or {}).get("general.architecture") or (show.get("details") or {}).get("family")
-    if architecture and architecture != ARCHITECTURE:
-        raise DgemmaError(f'model architecture "{architecture}" is not supported by dgemma')
-    return show
-
+# ---- one-shot mode ---------------------------------------------------------------------------------------------------
 
 def read_piped_stdin() -> str:
     if is_tty(sys.stdin):
@@ -278,7 +63,7 @@ def run_once(client: Client, settings: RunSettings, prompt: str) -> None:
     stream_answer(client.generate_stream(body), output)
 
 
-# ---- the commands ---------------------------------------------------------------------------------------------------
+# ---- the commands ----------------------------------------------------------------------------------------------------
 
 class ThinkFlagCommand(TyperCommand):
     """A bare `--think` means `--think=true` (Go's NoOptDefVal): the next word stays a prompt word."""
@@ -328,7 +113,7 @@ def run(
         text = " ".join(part for part in (piped, " ".join(words)) if part)
         if not is_tty(sys.stdin):  # as Ollama: input from a pipe means output for a script (no spinner, no wrapping)
             settings.wordwrap = settings.progress = False
-    from dgemma_cli.client import connect
+    from dgemma_cli.local_server import connect
 
     say = (lambda message: print(message, file=sys.stderr)) if verbose else None
     with connect(say) as client:
@@ -350,8 +135,6 @@ def run(
 
 def _until(expires_at: str, now: datetime | None = None) -> str:
     """`4 minutes from now`, `Forever` (more than 20 years ahead), `Stopping...` (past)."""
-    from dgemma_cli.cmd_store import human_duration
-
     try:
         when = datetime.fromisoformat(expires_at)
     except (TypeError, ValueError):
@@ -377,8 +160,6 @@ def _processor(size: int, size_vram: int) -> str:
 
 
 def ps_table(models: list[dict[str, Any]], prefix: str | None = None) -> str:
-    from dgemma_cli.cmd_store import human_bytes, table
-
     rows = [["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]]
     for m in models:
         name = str(m.get("name") or m.get("model") or "")
@@ -393,7 +174,7 @@ def ps_table(models: list[dict[str, Any]], prefix: str | None = None) -> str:
 
 def ps(prefix: Optional[str] = typer.Argument(None, help="only names starting with this (any case)")) -> None:
     """List running models."""
-    from dgemma_cli.client import connect
+    from dgemma_cli.local_server import connect
 
     with connect() as client:
         print(ps_table(client.ps().get("models") or [], prefix))
@@ -401,7 +182,8 @@ def ps(prefix: Optional[str] = typer.Argument(None, help="only names starting wi
 
 def stop(model: str = typer.Argument(..., help="model to unload")) -> None:
     """Stop (unload) a running model."""
-    from dgemma_cli.client import ApiError, connect
+    from dgemma_cli.client import ApiError
+    from dgemma_cli.local_server import connect
 
     with connect() as client:
         try:

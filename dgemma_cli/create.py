@@ -13,33 +13,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from dgemma_engine.arch import ARCH
+
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gguf_check import GGUFError, GGUFInfo, check_runnable, read_gguf_info
 from dgemma_cli.modelfile import Modelfile, check_parameter_ranges, quote
 from dgemma_cli.names import ModelName
-from dgemma_cli.store import (
-    CONFIG_MEDIA_TYPE,
-    MEDIA_LICENSE,
-    MEDIA_MESSAGES,
-    MEDIA_MODEL,
-    MEDIA_PARAMS,
-    MEDIA_SYSTEM,
-    MEDIA_TEMPLATE,
-    Layer,
-    Store,
-    build_manifest,
-    canonical_json,
-)
+from dgemma_cli.store import (CONFIG_MEDIA_TYPE, MEDIA_LICENSE, MEDIA_MESSAGES, MEDIA_MODEL, MEDIA_PARAMS, MEDIA_SYSTEM,
+                              MEDIA_TEMPLATE, Layer, Store, build_manifest, canonical_json)
 from dgemma_convert.errors import ConvertError
 from dgemma_engine.errors import EngineError
 
-FAMILY = "diffusion-gemma"
 QUANTIZE_TYPES = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q5_k_m": "Q5_K_M", "q4_k_m": "Q4_K_M", "q4_0": "Q4_0"}
 FLOAT_FILE_TYPES = {"F32", "F16", "BF16"}
 
 
 class CreateError(DgemmaError):
-    http_status = 400
+    status = 400
 
 
 def human_number(n: int) -> str:
@@ -72,7 +62,7 @@ def check_jinja_template(text: str) -> None:
 
 # ---- FROM resolution -----------------------------------------------------------------------------------------------
 
-def _local_path(value: str, base_dir: Path, paths_within: Path | None) -> Path | None:
+def local_path(value: str, base_dir: Path, paths_within: Path | None) -> Path | None:
     """The existing local file or folder FROM names, else None (then it is a model name).
 
     With `paths_within` (the server, which must never open paths chosen by a client, §8 C) only files inside that
@@ -87,11 +77,11 @@ def _local_path(value: str, base_dir: Path, paths_within: Path | None) -> Path |
     return path if path.exists() else None
 
 
-def _is_hf_checkpoint(folder: Path) -> bool:
+def is_hf_checkpoint(folder: Path) -> bool:
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
 
-def _gguf_in_folder(folder: Path) -> Path:
+def gguf_in_folder(folder: Path) -> Path:
     """The one GGUF file in a folder; entries that resolve outside the folder are refused."""
     base = folder.resolve()
     found = []
@@ -116,12 +106,12 @@ def _check_values(mf: Modelfile) -> None:
             quote(text)  # raises `value may not contain '"""'`
 
 
-def _validated_gguf(path: Path) -> GGUFInfo:
+def validated_gguf(path: Path) -> GGUFInfo:
     try:
         info = read_gguf_info(path)
     except GGUFError as exc:
         raise CreateError(f"supplied file was not in GGUF format ({exc})") from None
-    if info.architecture != FAMILY:
+    if info.architecture != ARCH:
         raise CreateError(f'model architecture "{info.architecture or "unknown"}" is not supported by dgemma')
     if "diffusion.canvas_length" not in info.metadata:
         raise CreateError("supplied file was not in GGUF format (diffusion.canvas_length is missing)")
@@ -153,7 +143,7 @@ def _check_tokenizer(path: Path) -> None:
         raise CreateError("model file cannot be run: its tokenizer cannot encode text")
 
 
-class _ByteCounter:
+class ByteCounter:
     """A dgemma_convert ProgressSink that only counts bytes (read from the create generator's thread)."""
 
     def __init__(self) -> None:
@@ -176,12 +166,12 @@ class _ByteCounter:
 PROGRESS_DIGEST = "0000000000000000000"  # what Ollama puts in `digest` for quantization progress
 
 
-def _converter_step(status: str, work: Callable[[_ByteCounter], None],
+def converter_step(status: str, work: Callable[[ByteCounter], None],
                     hide: dict[str, str]) -> Iterator[dict[str, Any]]:
     """Run a converter call in a worker thread and yield progress objects until it ends.
 
     Converter errors become CreateError with local paths replaced by plain names (no path leaks, §8 C)."""
-    counter, failure = _ByteCounter(), []
+    counter, failure = ByteCounter(), []
 
     def run() -> None:
         try:
@@ -277,7 +267,7 @@ def _create_model(name: ModelName | str, modelfile: Modelfile, store: Store, bas
 
     store.ensure_dirs()
     source = modelfile.from_ or ""
-    local = _local_path(source, base_dir, paths_within)
+    local = local_path(source, base_dir, paths_within)
     with store.scratch("create") as work:  # conversions; never inside blobs/, never in $TMPDIR
         if local is not None:
             base = yield from _from_local(store, local, quant, work)
@@ -290,19 +280,19 @@ def _from_local(store: Store, local: Path, quant: str | None, work: Path) -> Ite
     """A GGUF file, a folder with one GGUF, or a checkpoint folder (converted) -> the model layer."""
     gguf = local
     if local.is_dir():
-        if _is_hf_checkpoint(local):
+        if is_hf_checkpoint(local):
             from dgemma_convert import convert
 
             yield {"status": "converting model"}
             gguf, outtype = work / "converted.gguf", (quant or "bf16").lower()
-            yield from _converter_step("converting model",
+            yield from converter_step("converting model",
                                        lambda sink: convert(local, gguf, outtype, threads=2, progress=sink),
                                        {str(gguf): gguf.name, str(local): local.name, str(work): "."})
             quant = None  # already written in the requested type
         else:
-            gguf = _gguf_in_folder(local)
+            gguf = gguf_in_folder(local)
     yield {"status": "parsing GGUF"}
-    info = _validated_gguf(gguf)
+    info = validated_gguf(gguf)
     if quant is not None:
         if info.file_type not in FLOAT_FILE_TYPES:
             raise CreateError("quantization is only supported from F32, F16 or BF16 models")
@@ -311,12 +301,12 @@ def _from_local(store: Store, local: Path, quant: str | None, work: Path) -> Ite
         status = f"quantizing {info.file_type} model to {quant}"
         yield {"status": status}
         src, out = gguf, work / "quantized.gguf"
-        yield from _converter_step(status, lambda sink: requantize(src, out, quant.lower(), threads=2, progress=sink),
+        yield from converter_step(status, lambda sink: requantize(src, out, quant.lower(), threads=2, progress=sink),
                                    {str(out): out.name, str(src): src.name, str(work): "."})
-        gguf, info = out, _validated_gguf(out)
+        gguf, info = out, validated_gguf(out)
     layer, status = _import_layer(store, gguf, MEDIA_MODEL, local.name)
     yield status
-    config = {"model_format": "gguf", "model_family": FAMILY, "model_families": [FAMILY],
+    config = {"model_format": "gguf", "model_family": ARCH, "model_families": [ARCH],
               "model_type": human_number(info.parameter_count), "file_type": info.file_type,
               "architecture": "amd64", "os": "linux"}
     return _Base([layer], config, sources={layer.digest: gguf})
@@ -344,7 +334,7 @@ def _from_model(store: Store, parent_name: ModelName, quant: str | None) -> Iter
         yield {"status": f"using existing layer {layer.digest}"}
     config = {k: v for k, v in parent.config.items() if k != "template_format"}
     if not config.get("model_family"):
-        config.update(model_format="gguf", model_family=FAMILY, model_families=[FAMILY])
+        config.update(model_format="gguf", model_family=ARCH, model_families=[ARCH])
     return _Base(layers, config, dict(parent.parameters), list(parent.messages), list(parent.license),
                  parent.template, parent.system)
 
@@ -385,13 +375,7 @@ def _write_model(store: Store, name: ModelName, mf: Modelfile, base: _Base) -> I
             layers.append(layer)
             statuses.append(status)
         config_digest, config_size = store.write_blob(canonical_json(config))
-        try:
-            previous = store.read_manifest(name) if store.exists(name) else None
-        except DgemmaError:
-            previous = None
-        store.write_manifest(name, build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers))
-        if previous is not None:  # layers only the replaced manifest used
-            store.remove_unreferenced(set(previous.all_digests()) - {config_digest, *(lay.digest for lay in layers)})
+        store.replace_manifest(name, build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers))
     yield from statuses
     yield {"status": "writing manifest"}
     yield {"status": "success"}

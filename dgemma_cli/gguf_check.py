@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dgemma_engine.arch import ARCH
+
 from dgemma_cli.errors import DgemmaError
 
 GGUF_MAGIC = b"GGUF"
@@ -350,7 +352,7 @@ def read_gguf_info(path: str | os.PathLike) -> GGUFInfo:
 def check_diffusion_gguf(path: str | os.PathLike) -> GGUFInfo:
     """Validate a GGUF and require the diffusion-gemma architecture (store and server gate)."""
     info = read_gguf_info(path)
-    if info.architecture != "diffusion-gemma":
+    if info.architecture != ARCH:
         raise GGUFError(f'model architecture "{info.architecture or "unknown"}" is not supported by dgemma')
     if "diffusion.canvas_length" not in info.metadata:
         raise GGUFError("invalid GGUF: diffusion.canvas_length is missing")

@@ -3,7 +3,7 @@ import sys
 
 import typer
 
-from dgemma_cli import cmd_convert, cmd_debug, cmd_run, cmd_serve, cmd_store, sudoku
+from dgemma_cli import cmd_convert, cmd_debug, cmd_run, cmd_serve, cmd_store, session, sudoku
 from dgemma_cli.errors import DgemmaError
 
 app = typer.Typer(
@@ -18,9 +18,9 @@ app = typer.Typer(
 def print_version() -> None:
     """`dgemma --version`, as Ollama: the running server's version, and a warning when it differs or none answers."""
     from dgemma_cli import __version__
-    from dgemma_cli.client import _http_client, client_base_url, server_answers
+    from dgemma_cli.client import client_base_url, http_client, server_answers
 
-    with _http_client(client_base_url()) as http:
+    with http_client(client_base_url()) as http:
         server_version = None
         if server_answers(http):
             try:
@@ -55,7 +55,7 @@ app.add_typer(cmd_debug.app, name="debug")
 cmd_serve.register(app)
 cmd_store.register(app)
 cmd_run.register(app)
-cmd_run.register_task_renderer(sudoku.run_sudoku)
+session.register_task_renderer(sudoku.run_sudoku)
 
 
 def main() -> None:

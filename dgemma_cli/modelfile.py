@@ -8,11 +8,11 @@ parse∘format∘parse == parse.
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from dgemma_cli import env
 from dgemma_cli.errors import DgemmaError
 from dgemma_engine import settings
 from dgemma_engine.settings import setting_for_option
@@ -47,7 +47,7 @@ _SEMVER_RE = re.compile(r"v?(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(-[0-9A-Za-z
 
 
 class ModelfileError(DgemmaError):
-    http_status = 400
+    status = 400
 
 
 @dataclass(frozen=True)
@@ -244,8 +244,7 @@ def parse_parameter(name: str, value: str) -> Any:
 
 
 def max_steps_cap() -> int:
-    raw = os.environ.get("DGEMMA_MAX_STEPS", "").strip().strip("'\"")
-    return int(raw) if raw.isdigit() and int(raw) > 0 else 256
+    return env.MAX_STEPS.get_or_default()
 
 
 def check_parameter_ranges(params: dict[str, Any]) -> None:

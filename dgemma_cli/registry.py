@@ -27,48 +27,51 @@ from typing import Any, Callable, Iterator
 from urllib.parse import urlencode, urljoin, urlsplit
 
 import httpx
+from dgemma_engine.arch import ARCH
 
+from dgemma_cli import env
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gguf_check import check_diffusion_gguf
+from dgemma_cli.hosts import is_loopback_host
 from dgemma_cli.names import ModelName
 from dgemma_cli.store import (
     MANIFEST_MEDIA_TYPE,
+    MAX_MANIFEST_BYTES,
     MEDIA_MODEL,
     Layer,
     Manifest,
     Store,
     parse_manifest,
+    sha256_file,
 )
 
-MAX_MANIFEST_BYTES = 4 << 20
 MAX_TOKEN_BYTES = 64 << 10
 MAX_ERROR_BYTES = 512
 MAX_CONFIG_BYTES = 1 << 20
 MAX_REDIRECTS = 10
 MIN_PART, MAX_PART = 100_000_000, 1_000_000_000
-SUPPORTED_FAMILY = "diffusion-gemma"
 
 
 class PullError(DgemmaError):
-    http_status = 500
+    status = 500
 
 
 class ManifestNotFoundError(PullError):
-    http_status = 404
+    status = 404
 
 
 class RegistryError(PullError):
     """The registry (or a redirect target) misbehaved or refused."""
 
-    http_status = 502
+    status = 502
 
 
 class BlockedHostError(PullError):
-    http_status = 400
+    status = 400
 
 
 class PullCancelled(PullError):
-    http_status = 499
+    status = 499
 
     def __init__(self) -> None:
         super().__init__("pull cancelled")
@@ -80,19 +83,6 @@ class _RangeNotSupported(Exception):
 
 class _Retryable(Exception):
     pass
-
-
-def _env(name: str) -> str:
-    return os.environ.get(name, "").strip().strip("'\"")
-
-
-def _env_number(name: str, default: float, kind: type = float) -> Any:
-    raw = _env(name)
-    try:
-        value = kind(raw)
-    except ValueError:
-        return default
-    return value if value >= 0 else default
 
 
 @dataclass
@@ -109,13 +99,12 @@ class PullOptions:
     @classmethod
     def from_env(cls) -> "PullOptions":
         """Defaults, overridable for tests and slow links (DGEMMA_PULL_* variables)."""
-        part = _env_number("DGEMMA_PULL_PART_SIZE", 0, int)
         return cls(
-            part_size=part or None,
-            streams=max(1, _env_number("DGEMMA_PULL_STREAMS", 8, int)),
-            stall_timeout=_env_number("DGEMMA_PULL_STALL_TIMEOUT", 30.0) or 30.0,
-            retries=_env_number("DGEMMA_PULL_RETRIES", 6, int),
-            backoff=_env_number("DGEMMA_PULL_BACKOFF", 1.0),
+            part_size=env.PULL_PART_SIZE.get_or_default() or None,
+            streams=max(1, env.PULL_STREAMS.get_or_default()),
+            stall_timeout=env.PULL_STALL_TIMEOUT.get_or_default() or 30.0,
+            retries=env.PULL_RETRIES.get_or_default(),
+            backoff=env.PULL_BACKOFF.get_or_default(),
         )
 
     def part_size_for(self, total: int) -> int:
@@ -155,7 +144,7 @@ def _split_host_port(hostport: str, default_port: int) -> tuple[str, int]:
 def registry_mirrors() -> dict[str, str]:
     """`DGEMMA_REGISTRY_MIRRORS="hf.co=http://127.0.0.1:8080,registry.ollama.ai=..."` as {host: base URL}."""
     mirrors = {}
-    for item in _env("DGEMMA_REGISTRY_MIRRORS").split(","):
+    for item in env.REGISTRY_MIRRORS.get().split(","):
         host, sep, url = item.strip().partition("=")
         if sep and host.strip() and url.strip():
             mirrors[host.strip().lower()] = url.strip().rstrip("/")
@@ -163,16 +152,7 @@ def registry_mirrors() -> dict[str, str]:
 
 
 def registry_allow_list() -> set[str]:
-    return {item.strip().lower() for item in _env("DGEMMA_REGISTRY_ALLOW").split(",") if item.strip()}
-
-
-def is_loopback_host(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return {item.strip().lower() for item in env.REGISTRY_ALLOW.get().split(",") if item.strip()}
 
 
 def registry_endpoint(name: ModelName, insecure: bool = False) -> tuple[Endpoint, bool]:
@@ -510,7 +490,7 @@ class _Transfer:
         finally:
             os.close(fd)
         self.phase = "verifying"
-        got = _sha256_path(partial)
+        got = sha256_file(partial)
         if got != digest:
             partial.unlink(missing_ok=True)
             self._remove_sidecars()
@@ -666,14 +646,6 @@ def _leave_transfer(transfer: _Transfer) -> None:
             transfer.cancel.set()  # the last interested client has gone
 
 
-def _sha256_path(path: os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return "sha256:" + h.hexdigest()
-
-
 # ---- the pull ------------------------------------------------------------------------------------------------------
 
 def _cancel_check(cancel: Any) -> Callable[[], bool]:
@@ -747,7 +719,7 @@ def _fetch_config(client: RegistryClient, store: Store, layer: Layer) -> dict[st
         raise RegistryError("config blob is not a JSON object")
     family = config.get("model_family")
     families = config.get("model_families") or []
-    if family and family != SUPPORTED_FAMILY and SUPPORTED_FAMILY not in families:
+    if family and family != ARCH and ARCH not in families:
         raise PullError(f'model family "{family}" is not supported by dgemma')
     return config
 
@@ -834,13 +806,7 @@ def _pull(model_name: ModelName, store: Store, client: RegistryClient, options: 
         missing = store.missing_blobs(manifest)
         if missing:
             raise RegistryError(f"layer {missing[0][:19]} is missing after download")
-        try:
-            previous = store.read_manifest(model_name) if store.exists(model_name) else None
-        except DgemmaError:
-            previous = None
-        store.write_manifest(model_name, raw)
-    orphans = set(previous.all_digests()) - set(manifest.all_digests()) if previous is not None else set()
-    if orphans:
+        replaced = store.replace_manifest(model_name, raw)
+    if replaced:
         yield {"status": "removing unused layers"}
-        store.remove_unreferenced(orphans)
     yield {"status": "success"}

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from dgemma_cli.server.durations import go_duration
+from dgemma_cli.gotext import go_duration
 
 LABEL_WIDTH = 22  # "prompt eval duration: " is the longest label
 

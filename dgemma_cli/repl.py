@@ -6,15 +6,16 @@ newlines in one message). The history file is `~/.dgemma/history` unless `DGEMMA
 """
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from dgemma_cli import env
 from dgemma_cli.client import ApiError, Client
-from dgemma_cli.cmd_run import Output, RunSettings, Spinner, ensure_model, stream_answer
 from dgemma_cli.errors import DgemmaError
+from dgemma_cli.session import Output, RunSettings, ensure_model, stream_answer
+from dgemma_cli.ui import Spinner
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -85,15 +86,6 @@ def listed_parameters() -> list[tuple[str, str, str]]:
     return list(LISTED_PARAMETERS) + [(s.option, f"<{s.type.__name__}>", s.help) for s in settings.SAMPLER_SETTINGS]
 
 
-def _flag_env(name: str) -> bool:
-    from dgemma_cli.server.config import parse_bool
-
-    try:
-        return parse_bool(os.environ.get(name, "").strip().strip("\"'"))
-    except DgemmaError:  # an unreadable value keeps the default (history on)
-        return False
-
-
 class History:
     """readline history persisted to `~/.dgemma/history` (when enabled)."""
 
@@ -133,7 +125,7 @@ class Repl:
         self.out = out
         self.read = read
         self.messages: list[dict[str, str]] = []
-        self.history = History(enabled=not _flag_env("DGEMMA_NOHISTORY"))
+        self.history = History(enabled=not env.NOHISTORY.get_or_default())  # unreadable: history on
 
     def say(self, text: str) -> None:
         self.out.write(text + "\n")
@@ -356,7 +348,7 @@ class Repl:
             self.say("Model defined parameters:")
             self.say(show.get("parameters") or "No parameters were specified for this model.")
             if self.settings.options:
-                from dgemma_cli.cmd_store import go_value
+                from dgemma_cli.gotext import go_value
 
                 self.say("\nUser defined parameters:")
                 for key in sorted(self.settings.options):

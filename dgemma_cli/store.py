@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from dgemma_cli import env
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.names import ModelName
 
@@ -53,14 +54,14 @@ _BLOB_NAME_RE = re.compile(r"sha256-[0-9a-f]{64}", re.ASCII)
 
 
 class InvalidDigestError(DgemmaError):
-    http_status = 400
+    status = 400
 
     def __init__(self) -> None:
         super().__init__("invalid digest format")
 
 
 class ModelNotFoundError(DgemmaError):
-    http_status = 404
+    status = 404
 
     def __init__(self, name: str) -> None:
         super().__init__(f"model '{name}' not found")
@@ -68,7 +69,7 @@ class ModelNotFoundError(DgemmaError):
 
 
 class InvalidManifestError(DgemmaError):
-    http_status = 400
+    status = 400
 
 
 def normalize_digest(digest: str) -> str:
@@ -279,8 +280,8 @@ def _sweep_scratch(folder: Path) -> None:
 
 
 def default_root() -> Path:
-    value = os.environ.get("DGEMMA_MODELS", "").strip().strip("'\"")
-    return Path(value).expanduser() if value else Path.home() / ".dgemma" / "models"
+    value = env.MODELS.get()
+    return Path(value) if value else Path.home() / ".dgemma" / "models"
 
 
 class Store:
@@ -457,6 +458,21 @@ class Store:
         finally:
             tmp.unlink(missing_ok=True)
         return path
+
+    def replace_manifest(self, name: ModelName | str, raw: bytes) -> set[str]:
+        """Write `name`'s manifest, then delete the blobs only the manifest it replaced used (a pull or create over
+        an existing model). Returns the digests the old manifest had and the new one lacks."""
+        try:
+            previous = self.read_manifest(name) if self.exists(name) else None
+        except DgemmaError:  # an unreadable old manifest leaves nothing to compare
+            previous = None
+        self.write_manifest(name, raw)
+        if previous is None:
+            return set()
+        orphans = set(previous.all_digests()) - set(parse_manifest(raw).all_digests())
+        if orphans:
+            self.remove_unreferenced(orphans)
+        return orphans
 
     def iter_manifests(self) -> Iterable[tuple[ModelName, Path]]:
         """Every well-formed manifest path with a valid name (anything else in `manifests/` is ignored)."""

@@ -7,16 +7,16 @@ server never sees a local path (§8 C): it gets `files: {name: digest}` or `from
 """
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from dgemma_cli.client import CALL_TIMEOUT, Client
+from dgemma_cli.client import CALL_TIMEOUT, ApiError, Client
 from dgemma_cli.modelfile import Modelfile
 from dgemma_cli.store import Store
+from dgemma_cli.store import sha256_file as _sha256_file  # a module-level name, so tests can see every rehash
 
 UPLOAD_CHUNK = 1 << 20
 Progress = Callable[[dict[str, Any]], None]  # receives Ollama-style status objects (the progress renderer's input)
@@ -25,15 +25,15 @@ Progress = Callable[[dict[str, Any]], None]  # receives Ollama-style status obje
 # ---- plain calls ---------------------------------------------------------------------------------------------------
 
 def list_tags(client: Client) -> list[dict[str, Any]]:
-    return client._check(client.http.get("/api/tags")).json().get("models") or []
+    return client.request("GET", "/api/tags").json().get("models") or []
 
 
 def copy_model(client: Client, source: str, destination: str) -> None:
-    client._check(client.http.post("/api/copy", json={"source": source, "destination": destination}))
+    client.request("POST", "/api/copy", json={"source": source, "destination": destination})
 
 
 def delete_model(client: Client, model: str) -> None:
-    client._check(client.http.request("DELETE", "/api/delete", json={"model": model}))
+    client.request("DELETE", "/api/delete", json={"model": model})
 
 
 def unload_model(client: Client, model: str) -> None:
@@ -42,10 +42,12 @@ def unload_model(client: Client, model: str) -> None:
 
 
 def blob_exists(client: Client, digest: str) -> bool:
-    response = client.http.head(f"/api/blobs/{digest}")
-    if response.status_code == 404:
-        return False
-    client._check(response)
+    try:
+        client.request("HEAD", f"/api/blobs/{digest}")
+    except ApiError as exc:
+        if exc.status == 404:
+            return False
+        raise
     return True
 
 
@@ -62,9 +64,8 @@ def upload_blob(client: Client, digest: str, path: Path, progress: Progress) -> 
                 sent += len(chunk)
                 progress({"status": label, "digest": digest, "total": size, "completed": sent})
 
-    response = client.http.post(f"/api/blobs/{digest}", content=body(), headers={"Content-Length": str(size)},
-                                timeout=CALL_TIMEOUT)
-    client._check(response)
+    client.request("POST", f"/api/blobs/{digest}", content=body(), headers={"Content-Length": str(size)},
+                   timeout=CALL_TIMEOUT)
 
 
 def ensure_blob(client: Client, path: Path, progress: Progress) -> str:
@@ -84,14 +85,6 @@ def _blob_name_digest(path: Path) -> str | None:
     return f"sha256:{match.group(1)}" if match and path.parent.name == "blobs" else None
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(UPLOAD_CHUNK):
-            h.update(block)
-    return "sha256:" + h.hexdigest()
-
-
 # ---- create: the local half ----------------------------------------------------------------------------------------
 
 def create_request(client: Client, model: str, modelfile: Modelfile, base_dir: Path, quantize: str | None,
@@ -101,23 +94,23 @@ def create_request(client: Client, model: str, modelfile: Modelfile, base_dir: P
     A local GGUF (or a folder holding one) is uploaded as is and the server quantizes it if asked; a checkpoint
     folder is converted here, straight to the requested type, so the server only ever receives GGUF blobs."""
     # create.py owns the FROM rules (path vs name, folder scan, checkpoint detection); reuse them, do not fork them.
-    from dgemma_cli.create import CreateError, _gguf_in_folder, _is_hf_checkpoint, _local_path, _validated_gguf
+    from dgemma_cli.create import CreateError, gguf_in_folder, is_hf_checkpoint, local_path, validated_gguf
 
     if modelfile.adapter is not None:
         raise CreateError("adapters are not supported")  # the server's answer, without uploading the adapter
     body: dict[str, Any] = {"model": model}
     source = modelfile.from_ or ""
-    local = _local_path(source, base_dir, None)
+    local = local_path(source, base_dir, None)
     if local is None:
         body["from"] = source  # a model name: the server resolves (or pulls) it
         if quantize:
             body["quantize"] = quantize
-    elif local.is_dir() and _is_hf_checkpoint(local):
+    elif local.is_dir() and is_hf_checkpoint(local):
         with _converted(local, quantize, progress) as gguf:
             body["files"] = {f"{local.name}.gguf": ensure_blob(client, gguf, progress)}
     else:
-        gguf = _gguf_in_folder(local) if local.is_dir() else local
-        _validated_gguf(gguf)  # the server checks again; this only spares uploading a file it would refuse
+        gguf = gguf_in_folder(local) if local.is_dir() else local
+        validated_gguf(gguf)  # the server checks again; this only spares uploading a file it would refuse
         body["files"] = {gguf.name: ensure_blob(client, gguf, progress)}
         if quantize:
             body["quantize"] = quantize
@@ -140,7 +133,7 @@ def _converted(checkpoint: Path, quantize: str | None, progress: Progress) -> It
     converter progress."""
     from dgemma_convert import convert
 
-    from dgemma_cli.create import QUANTIZE_TYPES, CreateError, _converter_step
+    from dgemma_cli.create import QUANTIZE_TYPES, CreateError, converter_step
 
     outtype = "bf16"
     if quantize:
@@ -151,7 +144,7 @@ def _converted(checkpoint: Path, quantize: str | None, progress: Progress) -> It
     with Store().scratch("create") as work:
         gguf = work / f"{checkpoint.name}.gguf"
         progress({"status": "converting model"})
-        steps = _converter_step("converting model",
+        steps = converter_step("converting model",
                                 lambda sink: convert(checkpoint, gguf, outtype, threads=2, progress=sink),
                                 {str(gguf): gguf.name, str(checkpoint): checkpoint.name, str(work): "."})
         for event in steps:

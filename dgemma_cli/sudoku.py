@@ -2,7 +2,7 @@
 
 The model (recipes/sudoku/) reads the 81 cells through its chat template (one `<c{cell}={digit}>` token per cell) and
 writes one 81-token canvas of digits. `run` recognises the model by that template (is_sudoku_model) and hands the run
-to `run_sudoku` (a task renderer, see cmd_run.register_task_renderer):
+to `run_sudoku` (a task renderer, see session.register_task_renderer):
 
 - stdout not a terminal: exactly 9 lines of 9 digits, nothing else (a fixed interface; notes go to stderr);
 - a terminal: the drawn grid; with `--visual` the grid denoising live, the given clues in bold.
@@ -25,7 +25,7 @@ from rich.text import Text
 from dgemma_cli.errors import DgemmaError
 
 if TYPE_CHECKING:
-    from dgemma_cli.cmd_run import TaskContext
+    from dgemma_cli.session import TaskContext
 
 MODEL_GENERAL_NAME = "dgemma-sudoku"  # general.name of the bundled GGUF (bundle.py converts from a folder so named)
 CELL_TOKEN_MARK = "<c{{ loop.index0 }}="  # the chat template's per-cell token: how `run` recognises the task
@@ -171,7 +171,7 @@ def run_sudoku(context: TaskContext) -> bool:
         raise DgemmaError(f"the sudoku model needs a puzzle: dgemma run {context.settings.model} PUZZLE "
                           f"(81 cells: digits, 0 or . for blanks; e.g. {USAGE_EXAMPLE})")
     puzzle = parse_puzzle(context.prompt)
-    from dgemma_cli.cmd_run import Spinner, is_tty
+    from dgemma_cli.ui import Spinner, is_tty
 
     tty = is_tty(sys.stdout)
     console = Console(file=sys.stdout) if tty else None
@@ -208,7 +208,7 @@ def run_sudoku(context: TaskContext) -> bool:
 def _one_try(context: TaskContext, puzzle: str, seed: int | None, attempt: int, view: LiveGrid | None,
              spinner: Any) -> tuple[str, int]:
     """One generation over the REST API; returns (answer grid, denoising steps)."""
-    from dgemma_cli.cmd_run import chunk_text, is_progress
+    from dgemma_cli.session import chunk_text, is_progress
 
     options = {"num_predict": CANVAS, **context.settings.options}
     options.pop("seed", None)

@@ -173,10 +173,22 @@ class GenerateHead(WireModel):
     context: list[int] | None = omitted("prompt + answer token ids (final chunk, not with `raw`)")
 
 
+class ToolCallFunction(WireModel):
+    name: str
+    arguments: dict[str, JsonValue] = Field(description="the call's arguments as an object")
+
+
+class ToolCall(WireModel):
+    """A tool call the model made (parsed out of its answer text; docs/server.md, "Tools")."""
+
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(WireModel):
     role: str
     content: str
     thinking: str | None = omitted()
+    tool_calls: list[ToolCall] | None = omitted("the tool calls that completed in this chunk (all of them unstreamed)")
 
 
 class ChatHead(WireModel):
@@ -234,10 +246,31 @@ class CompletionHead(WireModel):
     system_fingerprint: str
 
 
+class OpenAIFunctionCall(WireModel):
+    name: str
+    arguments: str = Field(description="the call's arguments as a JSON string")
+
+
+class OpenAIToolCall(WireModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: OpenAIFunctionCall
+
+
+class OpenAIToolCallDelta(WireModel):
+    """A tool call in a stream chunk: sent whole, once the model has finished writing it."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: OpenAIFunctionCall
+
+
 class ChatCompletionMessage(WireModel):
     role: str
     content: str
     reasoning: str | None = omitted()
+    tool_calls: list[OpenAIToolCall] | None = omitted()
 
 
 class ChatCompletionChoice(WireModel):
@@ -256,6 +289,7 @@ class ChatDelta(WireModel):
     role: str | None = omitted()
     reasoning: str | None = omitted()
     content: str | None = omitted()
+    tool_calls: list[OpenAIToolCallDelta] | None = omitted()
 
 
 class ChatChunkChoice(WireModel):

@@ -14,12 +14,6 @@ class DgemmaError(Exception):
 
     status: int = 400
 
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        legacy = cls.__dict__.get("http_status")
-        if isinstance(legacy, int):  # the older spelling of `status`, still written by a few store-side modules
-            cls.status = legacy
-
 
 class EngineError(DgemmaError):
     """A model file that cannot be used (malformed, wrong architecture, missing or misshapen tensor), or a request

@@ -62,14 +62,18 @@ class _GemmaReader:
             return True
         return False
 
+    def quoted_rest(self) -> str:
+        """The text up to the closing `<|"|>` (the opening one is already taken)."""
+        end = self.text.find(_GEMMA_QUOTE, self.pos)
+        if end < 0:
+            raise self.fail("unterminated string")
+        out, self.pos = self.text[self.pos:end], end + len(_GEMMA_QUOTE)
+        return out
+
     def value(self) -> Any:
         self.skip_space()
         if self.take(_GEMMA_QUOTE):
-            end = self.text.find(_GEMMA_QUOTE, self.pos)
-            if end < 0:
-                raise self.fail("unterminated string")
-            out, self.pos = self.text[self.pos:end], end + len(_GEMMA_QUOTE)
-            return out
+            return self.quoted_rest()
         if self.take("{"):
             return self.mapping()
         if self.take("["):
@@ -93,10 +97,7 @@ class _GemmaReader:
         while True:
             self.skip_space()
             if self.take(_GEMMA_QUOTE):
-                end = self.text.find(_GEMMA_QUOTE, self.pos)
-                if end < 0:
-                    raise self.fail("unterminated key")
-                key, self.pos = self.text[self.pos:end], end + len(_GEMMA_QUOTE)
+                key = self.quoted_rest()
             else:
                 match = _BARE_KEY.match(self.text, self.pos)
                 if not match:

@@ -33,6 +33,7 @@ class FakeBehaviour:
     canvas_length: int = 8
     crash_at_step: int | None = None
     has_thinking: bool = True
+    tools: bool = True  # the fake template renders tools (Gemma 4's call syntax is parsed from `answer`)
     loads: int = 0
     closes: int = 0
     generations: int = 0
@@ -58,9 +59,18 @@ class FakeRunner:
         self.size_vram = 0
         self.metadata: dict[str, Any] = {"general.architecture": "diffusion-gemma"}
         self.has_thinking = behaviour.has_thinking
+        from dgemma_engine.tool_calls import FORMATS
 
-    def render_chat(self, messages: list[dict], think: bool | None) -> str:
-        text = "".join(f"<{m['role']}>{m.get('content', '')}" for m in messages)
+        self.tool_format = FORMATS[0] if behaviour.tools else None
+
+    def render_chat(self, messages: list[dict], think: bool | None, tools: list[dict] | None = None) -> str:
+        """`<role>content` per message (a call in history as `<call:NAME>`, a tool result's name as `<tool:NAME>`),
+        the offered tools' names first."""
+        text = "".join(f"<tools:{t.get('function', t).get('name')}>" for t in tools or [])
+        for m in messages:
+            role = f"tool:{m['name']}" if m["role"] == "tool" and m.get("name") else m["role"]
+            text += f"<{role}>{m.get('content', '')}"
+            text += "".join(f"<call:{c['function']['name']}>" for c in m.get("tool_calls") or [])
         return text + ("<think>" if think else "") + "<assistant>"
 
     def tokenize(self, text: str) -> list[int]:

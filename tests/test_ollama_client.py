@@ -190,3 +190,80 @@ def test_response_error_on_503_and_mid_stream_error(fake_served):
     with pytest.raises(ollama.ResponseError) as err:
         list(client.generate(model="tiny", prompt="x", stream=True, options={"diffusion_progress": True}))
     assert err.value.error == "internal server error"
+
+
+# ---- truncation and tools -------------------------------------------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+GEMMA4_CALL = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+
+
+def long_history(turns: int) -> list[dict]:
+    history = [{"role": "system", "content": "SYSTEM-PROMPT keep me"}]
+    history += [{"role": "user" if i % 2 == 0 else "assistant", "content": f"old message {i} " * 3}
+                for i in range(turns)]
+    return history + [{"role": "user", "content": "LATEST question"}]
+
+
+def test_long_history_is_truncated_and_answered(served):
+    """500 messages are far beyond the tiny model's 1,024-token window: the oldest are dropped (logged)."""
+    server, client, _ = served
+    reply = client.chat(model="tiny", messages=long_history(500), options=FAST)
+    assert reply.done and reply.prompt_eval_count <= 1024 - 16
+    assert "truncating the prompt to fit the context window" in server.logs()
+    streamed = list(client.chat(model="tiny", messages=long_history(500), options=FAST, stream=True))
+    assert streamed[-1].done
+
+
+def test_truncate_false_gives_the_no_room_error(served):
+    _, client, _ = served
+    body = {"model": "tiny", "messages": long_history(500), "truncate": False, "stream": False, "options": FAST}
+    with pytest.raises(ollama.ResponseError) as err:
+        client._request(ollama.ChatResponse, "POST", "/api/chat", json=body)  # the client has no `truncate` argument
+    assert err.value.status_code == 400
+    assert "leaves no room for a diffusion canvas (16 tokens) within the context window (1024 tokens)" in err.value.error
+
+
+def test_truncation_keeps_the_system_prompt_and_the_latest_message(fake_served):
+    server, behaviour = fake_served
+    behaviour.step_delay = 0
+    client = ollama.Client(host=server.url)
+    reply = client.chat(model="tiny", messages=long_history(3000), options={"num_ctx": 512})
+    assert reply.done
+    prompt = behaviour.last_prompt[-1]
+    assert prompt.startswith("<system>SYSTEM-PROMPT keep me<") and prompt.endswith("<user>LATEST question<assistant>")
+    assert "old message 2999" in prompt and "old message 0 " not in prompt and len(prompt) <= 512 - 8
+
+
+def test_tools_with_the_tiny_model_are_accepted(served):
+    """The random model writes no real call; the answer is a well-formed 200 either way (the accept path)."""
+    _, client, _ = served
+    assert "tools" in client.show("tiny").capabilities  # the fixture template declares tools
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    reply = client.chat(model="tiny", messages=messages, tools=[WEATHER_TOOL], options=FAST)
+    assert reply.done and isinstance(reply.message.content, str)
+    for call in reply.message.tool_calls or []:
+        assert isinstance(call.function.name, str) and isinstance(call.function.arguments, dict)
+    parts = list(client.chat(model="tiny", messages=messages, tools=[WEATHER_TOOL], options=FAST, stream=True))
+    assert parts[-1].done
+
+
+def test_tool_call_is_parsed_with_a_scripted_answer(fake_served):
+    server, behaviour = fake_served
+    behaviour.answer, behaviour.step_delay = "Checking." + GEMMA4_CALL, 0
+    client = ollama.Client(host=server.url)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    reply = client.chat(model="tiny", messages=messages, tools=[WEATHER_TOOL])
+    assert reply.message.content == "Checking."
+    [call] = reply.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
+    parts = list(client.chat(model="tiny", messages=messages, tools=[WEATHER_TOOL], stream=True))
+    assert "".join(p.message.content for p in parts) == "Checking."
+    calls = [c for p in parts for c in p.message.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", {"city": "Paris"})]
+    follow_up = messages + [reply.message.model_dump(exclude_none=True),
+                            {"role": "tool", "content": "sunny", "tool_name": "get_weather"}]
+    client.chat(model="tiny", messages=follow_up, tools=[WEATHER_TOOL])
+    assert behaviour.last_prompt[-1].endswith("<assistant>Checking.<call:get_weather><tool:get_weather>sunny<assistant>")

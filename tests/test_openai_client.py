@@ -108,3 +108,85 @@ def test_mid_stream_error_raises_and_503_is_an_api_error(tmp_path):
         assert err.value.status_code == 503
         for thread in busy:
             thread.join()
+
+
+# ---- truncation and tools -------------------------------------------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def long_history(turns: int) -> list[dict]:
+    history = [{"role": "system", "content": "SYSTEM-PROMPT keep me"}]
+    history += [{"role": "user" if i % 2 == 0 else "assistant", "content": f"old message {i} " * 3}
+                for i in range(turns)]
+    return history + [{"role": "user", "content": "LATEST question"}]
+
+
+@pytest.fixture
+def fake_served(tmp_path):
+    from dgemma_cli.server.config import ServerConfig
+    from dgemma_cli.store import Store
+    from server_harness import FakeBehaviour, InProcessServer, add_model, fake_factory, write_small_gguf
+
+    store = Store(tmp_path / "models")
+    add_model(store, "tiny", write_small_gguf(tmp_path / "t.gguf"))
+    behaviour = FakeBehaviour(answer="fine")
+    config = ServerConfig.from_env({"DGEMMA_MODELS": str(store.root)})
+    with InProcessServer(config, store, fake_factory(behaviour)) as server:
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0), behaviour
+
+
+def test_long_history_is_truncated_and_answered(served):
+    server, client = served
+    completion = client.chat.completions.create(model="tiny", messages=long_history(500), max_tokens=16, seed=3)
+    assert completion.choices[0].finish_reason in ("stop", "length") and completion.usage.prompt_tokens <= 1024 - 16
+    assert "truncating the prompt to fit the context window" in server.logs()
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=long_history(500), max_tokens=16,
+                                       extra_body={"truncate": False})
+    assert "leaves no room for a diffusion canvas (16 tokens)" in err.value.body["message"]
+
+
+def test_truncation_keeps_the_system_prompt_and_the_latest_message(fake_served):
+    client, behaviour = fake_served
+    stream = client.chat.completions.create(model="tiny", messages=long_history(3000), stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "fine"
+    prompt = behaviour.last_prompt[-1]
+    assert prompt.startswith("<system>SYSTEM-PROMPT keep me<") and prompt.endswith("<user>LATEST question<assistant>")
+    assert "old message 2999" in prompt and "old message 0 " not in prompt and len(prompt) <= 8192 - 8
+
+
+def test_tools_with_the_tiny_model_are_accepted(served):
+    _, client = served
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER_TOOL],
+                  max_tokens=16, seed=3)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls") and isinstance(choice.message.content, str)
+    for call in choice.message.tool_calls or []:
+        assert call.id.startswith("call_") and call.type == "function" and isinstance(call.function.arguments, str)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_tool_call_is_parsed_with_a_scripted_answer(fake_served):
+    import json
+
+    client, behaviour = fake_served
+    behaviour.answer = 'Checking.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    choice = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL]).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    [call] = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Checking."
+    deltas = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].function.name == "get_weather"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    follow_up = messages + [choice.message.model_dump(exclude_none=True),
+                            {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    client.chat.completions.create(model="tiny", messages=follow_up, tools=[WEATHER_TOOL])
+    assert behaviour.last_prompt[-1].endswith("<assistant>Checking.<call:get_weather><tool:get_weather>sunny<assistant>")

@@ -162,7 +162,7 @@ def test_unknown_model_clear_error(registry, tmp_path):
     store = Store(tmp_path / "store")
     with pytest.raises(DgemmaError, match="^pull model manifest: file does not exist$") as exc:
         run_pull(f"{registry.host}/library/nope:latest", store)
-    assert exc.value.http_status == 404
+    assert exc.value.status == 404
 
 
 def test_registry_error_body_is_capped(registry, tmp_path):

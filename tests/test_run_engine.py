@@ -63,7 +63,7 @@ def test_prompt_longer_than_the_context(env):
 
 def test_preview_chunks_carry_the_accept_mask(env, monkeypatch):
     """What the live view is fed on the real engine: per-position draft pieces and the sampler's accept mask."""
-    from dgemma_cli.client import connect
+    from dgemma_cli.local_server import connect
 
     for key in ("DGEMMA_MODELS", "DGEMMA_HOST", "HOME"):
         monkeypatch.setenv(key, env[key])

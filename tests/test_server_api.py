@@ -153,8 +153,6 @@ def test_validation_errors_are_400_with_ollama_texts(make_server):
         ("/api/generate", {"model": "tiny", "prompt": "x", "steps": 0},
          "invalid value for diffusion_steps: 0 (must be between 1 and 256)"),
         ("/api/generate", {"model": "tiny", "prompt": "x", "keep_alive": "forever"}, None),
-        ("/api/chat", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-         "registry.ollama.ai/library/tiny:latest does not support tools"),
         ("/api/chat", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, None),
         ("/api/embed", {"model": "tiny", "input": "x"}, "registry.ollama.ai/library/tiny:latest does not support embedding"),
     ]
@@ -325,8 +323,12 @@ def test_worker_crash_is_an_error_line_and_reloads(make_server):
 def test_prompt_too_long_and_truncation(make_server):
     server, _, _ = make_server()
     with client(server) as c:
-        r = c.post("/api/generate", json={"model": "tiny", "prompt": "x" * 100, "options": {"num_ctx": 64}})
+        r = c.post("/api/generate", json={"model": "tiny", "prompt": "x" * 100, "truncate": False,
+                                          "options": {"num_ctx": 64}})
         assert r.status_code == 400 and "leaves no room for a diffusion canvas (8 tokens)" in r.json()["error"]
+        r = c.post("/api/generate", json={"model": "tiny", "prompt": "x" * 100, "stream": False,
+                                          "options": {"num_ctx": 64}})
+        assert r.status_code == 200  # truncated to its end, as Ollama does by default
         history = [{"role": "user", "content": "old " * 10}, {"role": "assistant", "content": "a"},
                    {"role": "user", "content": "new"}]
         r = c.post("/api/chat", json={"model": "tiny", "messages": history, "stream": False, "options": {"num_ctx": 64}})
@@ -334,6 +336,22 @@ def test_prompt_too_long_and_truncation(make_server):
         r = c.post("/api/chat", json={"model": "tiny", "messages": history, "stream": False, "truncate": False,
                                       "options": {"num_ctx": 64}})
         assert r.status_code == 400
+
+
+def test_over_long_latest_message_keeps_its_end_and_generate_truncates_when_asked(make_server):
+    server, behaviour, _ = make_server()
+    with client(server) as c:
+        r = c.post("/api/chat", json={"model": "tiny", "stream": False, "options": {"num_ctx": 64},
+                                      "messages": [{"role": "user", "content": "old"},
+                                                   {"role": "user", "content": "y" * 100 + "END"}]})
+        assert r.status_code == 200
+        prompt = behaviour.last_prompt[-1]
+        assert len(prompt) == 64 - 8 and prompt.startswith("<system>Be brief.<user>y")
+        assert prompt.endswith("yEND<assistant>")
+        r = c.post("/api/generate", json={"model": "tiny", "prompt": "x" * 100 + "END", "truncate": True,
+                                          "stream": False, "options": {"num_ctx": 64}})
+        assert r.status_code == 200 and len(behaviour.last_prompt[-1]) == 64 - 8
+        assert behaviour.last_prompt[-1].endswith("xEND<assistant>")
 
 
 def test_openai_chat_completions_shapes(make_server):

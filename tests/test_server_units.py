@@ -5,8 +5,10 @@ import threading
 import pytest
 
 from dgemma_cli.errors import DgemmaError
-from dgemma_cli.server.config import ServerConfig, parse_host, parse_size
-from dgemma_cli.server.durations import FOREVER, go_duration, parse_go_duration, parse_keep_alive
+from dgemma_cli.env import parse_size
+from dgemma_cli.gotext import FOREVER, go_duration, parse_go_duration, parse_keep_alive
+from dgemma_cli.hosts import parse_host
+from dgemma_cli.server.config import ServerConfig
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.inference import Final, StopScanner, Text, ThinkingSplitter, plan_generation, run_generation
 from dgemma_cli.server.options import GREEDY_SEED, check_options, resolve_sampler

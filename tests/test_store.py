@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from dgemma_cli.cmd_store import human_bytes, human_duration
 from dgemma_cli.create import create_model
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.modelfile import parse_modelfile
 from dgemma_cli.store import MEDIA_MODEL, Store, sha256_file
+from dgemma_cli.ui import human_bytes, human_duration
 from cli_helpers import cli_env, in_process
 from store_helpers import write_tiny_gguf
 
@@ -202,7 +202,7 @@ def test_cli_pull_through_mirror(tmp_path):
 # ---- progress rendering --------------------------------------------------------------------------------------------
 
 def test_bar_line_and_remaining_time():
-    from dgemma_cli.cmd_store import bar_line, remaining_text
+    from dgemma_cli.ui import bar_line, remaining_text
 
     line = bar_line("pulling 8eeb52dfb3bb", 2_115_000_000, 4_700_000_000, 12_000_000, 100)
     assert line.startswith("pulling 8eeb52dfb3bb:  45% ▕") and line.endswith("▏ 2.1 GB/4.7 GB  12 MB/s  3m35s")
@@ -217,7 +217,7 @@ def test_progress_renderer_terminal_frame():
 
     from rich.console import Console
 
-    from dgemma_cli.cmd_store import ProgressRenderer
+    from dgemma_cli.ui import ProgressRenderer
 
     console = Console(file=io.StringIO(), force_terminal=True, width=90)
     r = ProgressRenderer(console)

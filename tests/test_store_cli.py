@@ -184,3 +184,9 @@ def test_create_request_for_a_model_name_sends_no_files(tmp_path):
     assert body == {"model": "m", "from": "base:v2", "quantize": "q8_0", "system": "", "license": ["L"],
                     "parameters": {"stop": ["a"], "seed": 3}, "messages": [{"role": "user", "content": "hi"}],
                     "renderer": "r1"}
+
+
+def test_rm_of_an_invalid_name_is_one_error_line(served, tmp_path):
+    server, _ = served
+    env = cli_env(tmp_path, host=f"127.0.0.1:{server.port}")
+    assert in_process(env, "rm", "Bad Name!") == (1, "", "Error: invalid model name\n")

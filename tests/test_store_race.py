@@ -116,7 +116,7 @@ def hang(*args, **kwargs):
 
 store, how = Store(sys.argv[1]), sys.argv[2]
 if how == "server-side":  # the in-process create (the CLI's fallback and the server)
-    create._validated_gguf = hang
+    create.validated_gguf = hang
     list(create.create_model("killed", parse_modelfile("FROM ./tiny.gguf"), store, Path(sys.argv[3])))
 else:  # the CLI's local half: converting a checkpoint folder before the upload
     import dgemma_convert

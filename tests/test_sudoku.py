@@ -106,6 +106,22 @@ def test_prompt_text_is_what_the_template_renders_and_tokenizes_like_the_recipe(
         assert "".join(tok.decode([i]) for i in vocab.answer_ids(SOLUTION)) == SOLUTION
 
 
+def test_template_answers_the_latest_user_message_only_and_ignores_tools():
+    """Modelfile, checkpoint and GGUF carry one template; a second turn (or Open WebUI's tools) must not break the
+    grid: only the latest user message renders."""
+    from dgemma_engine.chat import render_chat
+    from dgemma_engine.model import Model
+
+    assert (CHECKPOINT / "chat_template.jinja").read_text() == vocab.CHAT_TEMPLATE
+    assert parse_modelfile(MODELFILE.read_bytes()).template == vocab.CHAT_TEMPLATE
+    with Model.load(str(GGUF), threads=1) as model:
+        assert model.metadata["tokenizer.chat_template"] == vocab.CHAT_TEMPLATE
+    chat = [{"role": "system", "content": "Solve it."}, {"role": "user", "content": SOLUTION},
+            {"role": "assistant", "content": SOLUTION}, {"role": "user", "content": PUZZLE}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    assert render_chat(vocab.CHAT_TEMPLATE, chat, bos_token="<bos>", tools=tools) == sudoku.prompt_text(PUZZLE)
+
+
 def test_shipped_gguf_is_the_bundled_checkpoint():
     from dgemma_engine.model import Model
 

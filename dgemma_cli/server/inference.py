@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import SamplerSettings
 from dgemma_cli.server.runner import Runner
+from dgemma_cli.server.truncation import fit_chat
 from dgemma_cli.wire import Metrics, Progress
 from dgemma_engine.events import CanvasEvent, DoneEvent, StepEvent
+from dgemma_engine.tool_calls import ToolCall, ToolCallFormat, ToolCallStream
 
 THOUGHT_OPEN = "<|channel>thought"
 THOUGHT_CLOSE = "<channel|>"
@@ -25,6 +27,7 @@ THOUGHT_CLOSE = "<channel|>"
 class Text:
     text: str = ""
     thinking: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)  # calls that closed in this piece of text
 
 
 @dataclass
@@ -62,23 +65,26 @@ def render_failed(exc: Exception) -> RequestError:
     return RequestError("failed to render chat template", 500)
 
 
-def chat_prompt(runner: Runner, messages: list[dict], think: bool | None, truncate: bool) -> list[int]:
-    """Render and tokenize; with `truncate`, drop the oldest non-system messages until prompt + one canvas fits."""
-    messages = list(messages)
-    while True:
+def chat_prompt(runner: Runner, messages: list[dict], think: bool | None, truncate: bool,
+                tools: list[dict] | None = None) -> list[int]:
+    """Render and tokenize; with `truncate`, drop the oldest non-system messages (then the start of the latest one)
+    until prompt + one canvas fits (truncation.py)."""
+
+    def render_ids(kept: list[dict]) -> list[int]:
         try:
-            text = runner.render_chat(messages, think)
+            text = runner.render_chat(kept, think, tools) if tools else runner.render_chat(kept, think)
         except RequestError:
             raise
         except Exception as exc:  # jinja2 SecurityError, TemplateError, recursion, ...
             raise render_failed(exc) from None
-        ids = runner.tokenize(text)
-        if len(ids) + runner.canvas_length <= runner.context_length:
-            return ids
-        droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
-        if not truncate or not droppable:
-            raise no_room_error(len(ids), runner.canvas_length, runner.context_length)
-        del messages[droppable[0]]
+        return runner.tokenize(text)
+
+    def no_room(tokens: int) -> RequestError:
+        return no_room_error(tokens, runner.canvas_length, runner.context_length)
+
+    budget = runner.context_length - runner.canvas_length
+    return fit_chat(list(messages), render_ids, lambda text: len(runner.tokenize(text)), budget, truncate,
+                    no_room).ids
 
 
 def plan_generation(runner: Runner, prompt_ids: list[int], sampler: SamplerSettings, max_canvases: int) -> Plan:
@@ -116,6 +122,26 @@ class StopScanner:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+class ToolCallSplitter:
+    """Moves complete tool calls out of the answer text (only when the request offered tools the template renders)."""
+
+    def __init__(self, fmt: ToolCallFormat | None):
+        self.stream = ToolCallStream(fmt) if fmt is not None else None
+
+    def feed(self, part: Text) -> Text:
+        if self.stream is None:
+            return part
+        text, calls = self.stream.feed(part.text)
+        return Text(text=text, thinking=part.thinking, tool_calls=calls)
+
+    def finish(self, part: Text) -> Text:
+        """The last piece: an unclosed call stays text."""
+        part = self.feed(part)
+        if self.stream is not None:
+            part.text += self.stream.finish()
+        return part
 
 
 class ThinkingSplitter:
@@ -193,12 +219,15 @@ def run_generation(
     think: bool = False,
     started: float | None = None,
     load_seconds: float = 0.0,
+    tool_format: ToolCallFormat | None = None,
 ) -> Iterator[Text | Progress | Final]:
-    """Drive the runner and yield what clients see. Nothing final is yielded for a cancelled generation."""
+    """Drive the runner and yield what clients see (tool calls in `tool_format` parsed out of the answer). Nothing
+    final is yielded for a cancelled generation."""
     started = time.perf_counter() if started is None else started
     gen_start = time.perf_counter()
     stop = StopScanner(sampler.stop)
     thinking = ThinkingSplitter(think)
+    calls = ToolCallSplitter(tool_format)
     answer_ids: list[int] = []
     streamed = ""  # concatenated canvas texts, for exact num_predict cuts
     delivered = 0  # characters that passed the stop-string scanner
@@ -231,7 +260,9 @@ def run_generation(
                     visible, stop_matched = stop.feed(text)
                     delivered += len(visible)
                     if visible:
-                        yield thinking.feed(visible)
+                        part = calls.feed(thinking.feed(visible))
+                        if calls.stream is None or part.text or part.thinking or part.tool_calls:
+                            yield part  # (a piece held back whole as a possible call start is not sent)
                     if stop_matched:
                         reason = "stop"
                         break
@@ -247,8 +278,8 @@ def run_generation(
             close()
     if reason in (None, "cancelled") or cancel.is_set():
         return
-    tail = thinking.feed(stop.flush(), final=True)
-    if tail.text or tail.thinking:
+    tail = calls.finish(thinking.feed(stop.flush(), final=True))
+    if tail.text or tail.thinking or tail.tool_calls:
         yield tail
     if stop_matched:  # eval_count and context cover only what the client got
         answer_ids = answer_ids[: _tokens_covering(runner, answer_ids, delivered)]

@@ -2,6 +2,7 @@
 the `Job` that queues for the model and starts the worker (every 4xx happens before the first byte)."""
 import asyncio
 import functools
+import logging
 import threading
 import time
 from typing import Any
@@ -14,6 +15,8 @@ from dgemma_cli.server.options import precheck_sampler, resolve_sampler
 from dgemma_cli.server.runner import ChatTemplate, render_prompt
 from dgemma_cli.server.services import ResolvedModel, Services, services
 from dgemma_cli.server.streaming import WorkerStream, until_disconnected
+
+log = logging.getLogger("dgemma.server")
 
 
 def admitted(handler):
@@ -69,6 +72,20 @@ def render_messages(runner, messages: list[dict], thinking: bool | None, overrid
         raise inference.render_failed(exc) from None
 
 
+def offered_tools(model: ResolvedModel, runner, tools: list[dict] | None) -> tuple[list[dict] | None, object]:
+    """The request's `tools` for the template and the call syntax to parse, when the template renders tools. A model
+    whose template cannot is still answered, without them (docs/server.md, "Tools"): clients such as Open WebUI
+    send their built-in tools with every chat."""
+    if not tools:
+        return None, None
+    fmt = getattr(runner, "tool_format", None)
+    if fmt is None:
+        log.warning("%s: the chat template cannot render tools; ignoring the %d tool(s) of the request",
+                    model.display, len(tools))
+        return None, None
+    return tools, fmt
+
+
 class Job:
     """What a generate/chat request resolved to once its model is resident."""
 
@@ -81,8 +98,9 @@ class Job:
         precheck_sampler(options, svc.config.max_steps)  # a bad option is a 400 before any model load
         self.started = time.perf_counter()
 
-    async def start(self, request: Request, build_prompt, think) -> WorkerStream:
-        """Queue for the model, render the prompt, plan the canvases: every 4xx happens before the first byte."""
+    async def start(self, request: Request, build_prompt, think, tools: list[dict] | None = None) -> WorkerStream:
+        """Queue for the model, render the prompt, plan the canvases: every 4xx happens before the first byte.
+        `build_prompt(runner, thinking, tools)` gets the request's `tools` when the template can render them."""
         lease = await until_disconnected(
             request, self.svc.scheduler.acquire(self.model.display, self.model.local, self.num_ctx, self.keep_alive)
         )
@@ -90,7 +108,8 @@ class Job:
             runner = lease.runner
             sampler = resolve_sampler(self.options, runner.metadata, self.svc.config.max_steps)
             thinking = think_flag(self.model, think, runner.has_thinking)
-            prompt_ids = await asyncio.to_thread(build_prompt, runner, thinking)
+            template_tools, tool_format = offered_tools(self.model, runner, tools)
+            prompt_ids = await asyncio.to_thread(build_prompt, runner, thinking, template_tools)
             plan = inference.plan_generation(runner, prompt_ids, sampler, self.svc.config.max_canvases)
         except BaseException:
             lease.release()
@@ -98,6 +117,7 @@ class Job:
         load_s = lease.load_seconds
 
         def produce(cancel: threading.Event):
-            return inference.run_generation(runner, plan, sampler, cancel, bool(thinking), self.started, load_s)
+            return inference.run_generation(runner, plan, sampler, cancel, bool(thinking), self.started, load_s,
+                                            tool_format)
 
         return WorkerStream(produce, lambda failed: lease.release(failed))

@@ -8,13 +8,14 @@ import time
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
+from dgemma_engine.arch import ARCH
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from dgemma_cli import wire
 from dgemma_cli.errors import DgemmaError
-from dgemma_cli.server import gotemplate, inference, schemas
-from dgemma_cli.server.durations import parse_keep_alive
+from dgemma_cli.gotext import parse_keep_alive
+from dgemma_cli.server import gotemplate, inference, schemas, truncation
 from dgemma_cli.server.errors import NotFound, RequestError
 from dgemma_cli.server.inference import Final, Progress, Text
 from dgemma_cli.server.jobs import Job, admitted, common_checks, render_messages, with_model_messages
@@ -93,12 +94,17 @@ async def _load_or_unload(svc: Services, model: ResolvedModel, keep_alive: float
     return _answer_line(model, chat, "", "", True, done_reason=reason)
 
 
-def _answer_line(model: ResolvedModel, chat: bool, text: str, thinking: str, done: bool, **fields: Any) -> dict[str, Any]:
+def _answer_line(model: ResolvedModel, chat: bool, text: str, thinking: str, done: bool,
+                 tool_calls: list | None = None, **fields: Any) -> dict[str, Any]:
     """One /api/generate or /api/chat object: the text in `response` (generate) or in `message` (chat), `thinking`
-    only when there is some, then `fields` (the final chunk's reason and metrics, or a step's progress)."""
+    and `tool_calls` only when there are some, then `fields` (the final chunk's reason and metrics, or a step's
+    progress)."""
     head = {"model": model.display, "created_at": timestamp(), "done": done}
     if chat:
-        message = wire.ChatResponseMessage(role="assistant", content=text, thinking=thinking or None)
+        calls = [wire.ToolCall(function=wire.ToolCallFunction(name=c.name, arguments=c.arguments))
+                 for c in tool_calls or []]
+        message = wire.ChatResponseMessage(role="assistant", content=text, thinking=thinking or None,
+                                           tool_calls=calls or None)
         return wire.ChatResponse(**head, message=message, **fields).wire()
     return wire.GenerateResponse(**head, response=text, thinking=thinking or None, **fields).wire()
 
@@ -142,7 +148,7 @@ async def generate(req: schemas.GenerateRequest, request: Request):
 
     override = _request_template(req.template) if req.template and not req.raw else None
 
-    def build_prompt(runner, thinking):
+    def build_prompt(runner, thinking, _tools):
         if req.raw:
             text = req.prompt
         else:
@@ -150,7 +156,10 @@ async def generate(req: schemas.GenerateRequest, request: Request):
                 {"role": "user", "content": req.prompt}
             ]
             text = render_messages(runner, messages, thinking, override)
-        return context + runner.tokenize(text)
+        ids = context + runner.tokenize(text)
+        if req.truncate is not False:  # as Ollama: keep the prompt's end unless told not to (then a 400)
+            return truncation.fit_tokens(ids, runner.context_length - runner.canvas_length)
+        return ids
 
     job = Job(svc, model, options, keep_alive)
     stream = await job.start(request, build_prompt, req.think)
@@ -183,8 +192,8 @@ async def chat(req: schemas.ChatRequest, request: Request):
             raise RequestError(f"{model.full} does not support vision")
         message.pop("images", None)
         message.setdefault("content", "")
-    if req.tools:
-        raise RequestError(f"{model.full} does not support tools")
+        if message["role"] == "tool" and message.get("tool_name"):
+            message.setdefault("name", message["tool_name"])  # the name HF-style templates read
     common_checks(model, req.format, req.logprobs, req.top_logprobs)
     options = svc.merged_options(model, req.options)
     keep_alive = _keep_alive(req.keep_alive)
@@ -196,11 +205,11 @@ async def chat(req: schemas.ChatRequest, request: Request):
     truncate = True if req.truncate is None else req.truncate
     check_chat_size(svc.num_ctx(model, options), conversation, truncate)
 
-    def build_prompt(runner, thinking):
-        return inference.chat_prompt(runner, conversation, thinking, truncate)
+    def build_prompt(runner, thinking, tools):
+        return inference.chat_prompt(runner, conversation, thinking, truncate, tools)
 
     job = Job(svc, model, options, keep_alive)
-    stream = await job.start(request, build_prompt, req.think)
+    stream = await job.start(request, build_prompt, req.think, req.tools)
     return await _answer(request, stream, model, req.stream, chat=True, with_context=False)
 
 
@@ -212,15 +221,15 @@ def _keep_alive(value: Any) -> float | None:
 
 
 async def _answer(request: Request, stream: WorkerStream, model: ResolvedModel, stream_flag, chat: bool, with_context: bool):
-    def final(item: Final, text: str = "", thinking: str = "") -> dict[str, Any]:
+    def final(item: Final, text: str = "", thinking: str = "", tool_calls: list | None = None) -> dict[str, Any]:
         context = {"context": item.context} if with_context else {}
-        return _answer_line(model, chat, text, thinking, True, done_reason=item.done_reason, **context,
+        return _answer_line(model, chat, text, thinking, True, tool_calls, done_reason=item.done_reason, **context,
                             **item.metrics.model_dump())
 
     if _stream_flag(stream_flag):
         def render(item):
             if isinstance(item, Text):
-                return _answer_line(model, chat, item.text, item.thinking, False)
+                return _answer_line(model, chat, item.text, item.thinking, False, item.tool_calls)
             if isinstance(item, Progress):
                 return _answer_line(model, chat, "", "", False, **item.model_dump())
             if isinstance(item, Final):
@@ -232,10 +241,11 @@ async def _answer(request: Request, stream: WorkerStream, model: ResolvedModel, 
     items = await collect(request, stream)
     text = "".join(i.text for i in items if isinstance(i, Text))
     thinking = "".join(i.thinking for i in items if isinstance(i, Text))
+    tool_calls = [call for i in items if isinstance(i, Text) for call in i.tool_calls]
     finals = [i for i in items if isinstance(i, Final)]
     if not finals:
         raise RequestError("generation ended without a result", 500)
-    return JSONResponse(final(finals[-1], text, thinking))
+    return JSONResponse(final(finals[-1], text, thinking, tool_calls))
 
 
 # ---- info ---------------------------------------------------------------------------------------------------------
@@ -253,7 +263,7 @@ async def tags(request: Request) -> JSONResponse:
             size=e.size,
             digest=e.digest,
             details=svc.details(e.details),
-            capabilities=["completion", "diffusion"] if e.details.get("family") == "diffusion-gemma" else ["completion"],
+            capabilities=["completion", "diffusion"] if e.details.get("family") == ARCH else ["completion"],
         )
         for e in entries
     ]

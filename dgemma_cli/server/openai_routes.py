@@ -4,6 +4,7 @@ Requests are translated into the same generation path as the native API. Only sa
 sent are forwarded (no implicit temperature, §3.5). Errors use OpenAI's error object (rendered by the app).
 """
 import asyncio
+import json
 import secrets
 import time
 from typing import Any
@@ -53,8 +54,54 @@ def _options(req: Any, max_tokens: int | None) -> dict[str, Any]:
     return options
 
 
-def _finish_reason(final: Final | None) -> str:
+def _finish_reason(final: Final | None, called_tools: bool = False) -> str:
+    if called_tools:
+        return "tool_calls"
     return "length" if final is not None and final.done_reason == "length" else "stop"
+
+
+def _tool_call(call) -> wire.OpenAIToolCall:
+    """A parsed call as OpenAI sends it: a fresh `call_…` id, the arguments as a JSON string."""
+    arguments = json.dumps(call.arguments, ensure_ascii=False)
+    return wire.OpenAIToolCall(id="call_" + secrets.token_hex(12),
+                               function=wire.OpenAIFunctionCall(name=call.name, arguments=arguments))
+
+
+def _history_tool_calls(calls: list[dict]) -> list[dict]:
+    """An assistant message's `tool_calls` for the template: arguments as an object (HF templates iterate them)."""
+    out = []
+    for call in calls:
+        call = dict(call)
+        function = dict(call.get("function") or {})
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except ValueError:
+                pass  # not JSON: the template gets the string as sent
+        call["function"] = function
+        out.append(call)
+    return out
+
+
+def _chat_messages(model, messages: list[schemas.OpenAIMessage]) -> list[dict]:
+    """OpenAI messages as template messages; a tool result also gets the `name` of the call it answers."""
+    names: dict[str, str] = {}
+    out = []
+    for message in messages:
+        role = chat_role(message.role)
+        entry: dict[str, Any] = {"role": role, "content": _message_text(model, message)}
+        if message.tool_calls:
+            entry["tool_calls"] = _history_tool_calls(message.tool_calls)
+            for call in entry["tool_calls"]:
+                if isinstance(call.get("id"), str) and isinstance(call["function"].get("name"), str):
+                    names[call["id"]] = call["function"]["name"]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        name = message.name or (names.get(message.tool_call_id or "") if role == "tool" else None)
+        if name:
+            entry["name"] = name
+        out.append(entry)
+    return out
 
 
 def _usage(final: Final | None) -> wire.Usage:
@@ -89,14 +136,15 @@ def _num_ctx(svc, model) -> int:
     return svc.num_ctx(model, svc.merged_options(model, None))  # OpenAI requests cannot set num_ctx
 
 
-async def _prepare(request: Request, req: Any, build_prompt, max_tokens: int | None, think: Any):
+async def _prepare(request: Request, req: Any, build_prompt, max_tokens: int | None, think: Any,
+                   tools: list[dict] | None = None):
     svc = services(request)
     if req.n is not None and req.n > 1:
         raise RequestError("n greater than 1 is not supported")
     model = await svc.resolve_runnable(req.model)
     options = svc.merged_options(model, _options(req, max_tokens))
     job = Job(svc, model, options, None)
-    stream = await job.start(request, build_prompt, think)
+    stream = await job.start(request, build_prompt, think, tools)
     return model, stream
 
 
@@ -122,23 +170,19 @@ async def chat_completions(req: schemas.ChatCompletionRequest, request: Request)
         raise RequestError("messages must not be empty")
     svc = services(request)
     model_probe = await svc.resolve_runnable(req.model)
-    if req.tools:
-        raise RequestError(f"{model_probe.full} does not support tools")
     fmt = None
     if req.response_format is not None and req.response_format.type != "text":
         fmt = "json"
     common_checks(model_probe, fmt, req.logprobs, req.top_logprobs)
-    messages = []
-    for message in req.messages:
-        messages.append({"role": chat_role(message.role), "content": _message_text(model_probe, message)})
-    messages = with_model_messages(model_probe, messages)
-    check_chat_size(_num_ctx(svc, model_probe), messages, truncate=True)
+    messages = with_model_messages(model_probe, _chat_messages(model_probe, req.messages))
+    check_chat_size(_num_ctx(svc, model_probe), messages, truncate=req.truncate is not False)
     think = req.reasoning_effort if req.reasoning_effort not in (None, "none") else None
 
-    def build_prompt(runner, thinking):
-        return inference.chat_prompt(runner, messages, thinking, True)
+    def build_prompt(runner, thinking, tools):
+        return inference.chat_prompt(runner, messages, thinking, req.truncate is not False, tools)
 
-    model, stream = await _prepare(request, req, build_prompt, req.max_completion_tokens or req.max_tokens, think)
+    model, stream = await _prepare(request, req, build_prompt, req.max_completion_tokens or req.max_tokens, think,
+                                   req.tools)
     head = _head("chatcmpl-", model)
 
     if req.stream:
@@ -151,13 +195,19 @@ async def chat_completions(req: schemas.ChatCompletionRequest, request: Request)
         async def events():
             yield chunk(wire.ChatDelta(role="assistant", content=""), None)
             final = None
+            calls = 0
             async for item in stream:
                 if isinstance(item, Text):
                     if item.thinking or item.text:
                         yield chunk(wire.ChatDelta(reasoning=item.thinking or None, content=item.text or None), None)
+                    if item.tool_calls:
+                        deltas = [wire.OpenAIToolCallDelta(index=calls + i, **_tool_call(c).model_dump())
+                                  for i, c in enumerate(item.tool_calls)]
+                        calls += len(deltas)
+                        yield chunk(wire.ChatDelta(tool_calls=deltas), None)
                 elif isinstance(item, Final):
                     final = item
-            yield chunk(wire.ChatDelta(), _finish_reason(final))
+            yield chunk(wire.ChatDelta(), _finish_reason(final, calls > 0))
             if include_usage:
                 yield wire.ChatCompletionChunk(**head, choices=[], usage=_usage(final))
 
@@ -165,9 +215,11 @@ async def chat_completions(req: schemas.ChatCompletionRequest, request: Request)
 
     items = await collect(request, stream)
     final = next((i for i in reversed(items) if isinstance(i, Final)), None)
+    calls = [_tool_call(c) for i in items if isinstance(i, Text) for c in i.tool_calls]
     message = wire.ChatCompletionMessage(role="assistant", content="".join(i.text for i in items if isinstance(i, Text)),
-                                         reasoning="".join(i.thinking for i in items if isinstance(i, Text)) or None)
-    choice = wire.ChatCompletionChoice(index=0, message=message, finish_reason=_finish_reason(final))
+                                         reasoning="".join(i.thinking for i in items if isinstance(i, Text)) or None,
+                                         tool_calls=calls or None)
+    choice = wire.ChatCompletionChoice(index=0, message=message, finish_reason=_finish_reason(final, bool(calls)))
     return JSONResponse(wire.ChatCompletion(**head, choices=[choice], usage=_usage(final)).wire())
 
 
@@ -185,7 +237,7 @@ async def completions(req: schemas.CompletionRequest, request: Request):
     messages = with_model_messages(model_probe, [{"role": "user", "content": prompt}])
     check_chat_size(_num_ctx(svc, model_probe), messages, truncate=False)
 
-    def build_prompt(runner, thinking):
+    def build_prompt(runner, thinking, _tools):
         return runner.tokenize(render_messages(runner, messages, thinking))
 
     model, stream = await _prepare(request, req, build_prompt, req.max_tokens, None)

@@ -9,8 +9,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from dgemma_cli.errors import out_of_range
 from dgemma_cli.server.errors import RequestError
-from dgemma_cli.server.validation import INT64_MAX, INT64_MIN, check_float32, out_of_range
+from dgemma_cli.server.validation import INT64_MAX, INT64_MIN, check_float32
 from dgemma_engine import settings
 from dgemma_engine.settings import SamplerParams, setting_for_option
 

@@ -7,7 +7,7 @@ from fastapi import Request
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from dgemma_cli.server.errors import RequestError
+from dgemma_cli.errors import DgemmaError
 from dgemma_cli.server.validation import parse_body
 
 THREADED_PARSE_BYTES = 1 << 20  # larger bodies are parsed off the event loop
@@ -24,8 +24,8 @@ class CheckedRequest(Request):
                     self._checked_json = await asyncio.to_thread(parse_body, body)
                 else:
                     self._checked_json = parse_body(body)
-            except RequestError as exc:  # FastAPI turns other exceptions from here into a generic 400
-                raise HTTPException(exc.status, exc.message) from None
+            except DgemmaError as exc:  # FastAPI turns other exceptions from here into a generic 400
+                raise HTTPException(exc.status, str(exc)) from None
         return self._checked_json
 
 

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from dgemma_engine.arch import ARCH
+
 from dgemma_cli.server import gotemplate
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import SamplerSettings
-
-ARCHITECTURE = "diffusion-gemma"
 
 
 class Runner(Protocol):
@@ -24,8 +24,9 @@ class Runner(Protocol):
     size_vram: int  # bytes on an accelerator (0 on CPU)
     metadata: dict[str, Any]
     has_thinking: bool
+    tool_format: Any  # dgemma_engine.tool_calls.ToolCallFormat of the chat template, None: it cannot render tools
 
-    def render_chat(self, messages: list[dict], think: bool | None) -> str: ...
+    def render_chat(self, messages: list[dict], think: bool | None, tools: list[dict] | None = None) -> str: ...
 
     def tokenize(self, text: str) -> list[int]: ...
 
@@ -53,12 +54,10 @@ class ChatTemplate:
 def select_template(local_model: Any, metadata: dict) -> ChatTemplate:
     """Spec §4.6: a Jinja TEMPLATE layer, else the GGUF's `tokenizer.chat_template`, else a Go TEMPLATE in the safe
     subset, else the bare prompt. Go templates are never given to Jinja."""
+    jinja = jinja_template_text(local_model, metadata)
+    if jinja:
+        return ChatTemplate("jinja", jinja)
     template = getattr(local_model, "template", None) or None
-    config = getattr(local_model, "config", None) or {}
-    if template and config.get("template_format") == "jinja":
-        return ChatTemplate("jinja", template)
-    if metadata.get("tokenizer.chat_template"):
-        return ChatTemplate("jinja", str(metadata["tokenizer.chat_template"]))
     if template:
         try:
             gotemplate.parse(template)
@@ -68,15 +67,33 @@ def select_template(local_model: Any, metadata: dict) -> ChatTemplate:
     return ChatTemplate("none")
 
 
+def tool_format_of(template: ChatTemplate) -> Any:
+    """The tool-call syntax of a Jinja template that declares tools (dgemma_engine.tool_calls), else None."""
+    from dgemma_engine.tool_calls import format_for_template
+
+    return format_for_template(template.text) if template.kind == "jinja" else None
+
+
+def jinja_template_text(local_model: Any, metadata: dict) -> str | None:
+    """The Jinja template a model renders with, if any: its Jinja TEMPLATE layer, else the GGUF's chat template."""
+    template = getattr(local_model, "template", None) or None
+    config = getattr(local_model, "config", None) or {}
+    if template and config.get("template_format") == "jinja":
+        return template
+    chat_template = metadata.get("tokenizer.chat_template")
+    return str(chat_template) if chat_template else None
+
+
 def render_prompt(template: ChatTemplate, messages: list[dict], think: bool | None,
-                  special_tokens: dict[str, str] | None = None) -> str:
-    """`special_tokens`: bos_token, eos_token, ... as HF passes them to templates (`{{ bos_token }}` starts a prompt)."""
+                  special_tokens: dict[str, str] | None = None, tools: list[dict] | None = None) -> str:
+    """`special_tokens`: bos_token, eos_token, ... as HF passes them to templates (`{{ bos_token }}` starts a prompt).
+    `tools` reach Jinja templates only (as transformers' apply_chat_template(tools=...) passes them)."""
     if template.kind == "jinja":
         from dgemma_engine.chat import ChatTemplateBudgetError, ChatTemplateError, render_chat
 
         try:
             return render_chat(template.text, messages, add_generation_prompt=True, enable_thinking=bool(think),
-                               **(special_tokens or {}))
+                               tools=tools or None, **(special_tokens or {}))
         except ChatTemplateBudgetError:
             raise
         except ChatTemplateError as exc:
@@ -107,7 +124,7 @@ class EngineRunner:
             hparams = self.model.hparams
             self.metadata = dict(self.model.metadata)
             architecture = self.metadata.get("general.architecture")
-            if architecture != ARCHITECTURE:
+            if architecture != ARCH:
                 raise RequestError(f'model architecture "{architecture}" is not supported by dgemma')
             self.canvas_length = int(hparams.canvas_length)
             self.context_length = max(1, min(int(num_ctx), int(hparams.n_ctx_train)))
@@ -121,6 +138,7 @@ class EngineRunner:
         self.special_tokens = special_tokens(self.metadata)  # computed once: it scans the whole vocabulary
         self.template = select_template(local_model, self.metadata)
         self.has_thinking = self.template.kind == "jinja" and "enable_thinking" in self.template.text
+        self.tool_format = tool_format_of(self.template)
         self.size = os.path.getsize(local_model.gguf_path)
         self.size_vram = 0
 
@@ -129,8 +147,8 @@ class EngineRunner:
 
         return Context(self.model, n_ctx=self.context_length, threads=self.threads)
 
-    def render_chat(self, messages: list[dict], think: bool | None) -> str:
-        return render_prompt(self.template, messages, think, self.special_tokens)
+    def render_chat(self, messages: list[dict], think: bool | None, tools: list[dict] | None = None) -> str:
+        return render_prompt(self.template, messages, think, self.special_tokens, tools)
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, special=True))

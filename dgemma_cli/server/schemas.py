@@ -160,6 +160,8 @@ class ChatCompletionRequest(OpenAIRequest):
     reasoning_effort: str | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    truncate: bool | None = Field(default=None, description="dgemma, as in /api/chat: false refuses a chat that does "
+                                                            "not fit the context instead of dropping old messages")
 
 
 class CompletionRequest(OpenAIRequest):

@@ -5,15 +5,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dgemma_engine.arch import ARCH
 from starlette.requests import Request
 
 from dgemma_cli.bundled import register_bundled
 from dgemma_cli.errors import DgemmaError
+from dgemma_cli.gotext import go_value
 from dgemma_cli.names import ModelName
 from dgemma_cli.server.config import ServerConfig
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import check_options
-from dgemma_cli.server.runner import ARCHITECTURE
+from dgemma_cli.server.runner import ChatTemplate, jinja_template_text, tool_format_of
 from dgemma_cli.server.scheduler import Scheduler
 from dgemma_cli.store import ModelNotFoundError, Store
 from dgemma_cli.wire import ModelDetails, ShowResponse, TensorInfo
@@ -81,7 +83,7 @@ class Services:
     async def resolve_runnable(self, text: str) -> ResolvedModel:
         model = await self.resolve(text)
         family = (model.local.config or {}).get("model_family")
-        if family and family != ARCHITECTURE:
+        if family and family != ARCH:
             raise RequestError(f'model architecture "{family}" is not supported by dgemma')
         if model.local.gguf_path is None:
             raise RequestError(f"model '{model.display}' has no model layer")
@@ -135,8 +137,10 @@ class Services:
             model_info[key] = _jsonable(value)
         template = local.template or metadata.get("tokenizer.chat_template") or ""
         capabilities = ["completion"]
-        if metadata.get("general.architecture", (local.config or {}).get("model_family")) == ARCHITECTURE:
+        if metadata.get("general.architecture", (local.config or {}).get("model_family")) == ARCH:
             capabilities.append("diffusion")
+        if tool_format_of(ChatTemplate("jinja", jinja_template_text(local, metadata) or "")) is not None:
+            capabilities.append("tools")  # before thinking, in Ollama's order
         if "enable_thinking" in str(template):
             capabilities.append("thinking")
         source = str(local.gguf_path) if self.config.host.is_loopback and local.gguf_path else local.name
@@ -184,7 +188,7 @@ class Services:
                 info = read_gguf_info(path)
             except GGUFError:
                 raise RequestError("supplied file was not in GGUF format") from None
-            if info.architecture != ARCHITECTURE:
+            if info.architecture != ARCH:
                 raise RequestError(f'model architecture "{info.architecture or "unknown"}" is not supported by dgemma')
             paths.append(path)
         if len(paths) > 1:
@@ -214,13 +218,7 @@ def format_parameters(params: dict[str, Any]) -> str:
     for key in sorted(params):
         values = params[key] if isinstance(params[key], list) else [params[key]]
         for value in values:
-            if isinstance(value, str):
-                shown = '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-            elif isinstance(value, bool):
-                shown = "true" if value else "false"
-            else:
-                shown = str(value)
-            lines.append(f"{key:<30} {shown}")  # Ollama: `%-30s %#v`
+            lines.append(f"{key:<30} {go_value(value, wire=True)}")  # Ollama: `%-30s %#v`
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from dgemma_cli.errors import out_of_range
 from dgemma_cli.server.errors import RequestError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -32,10 +33,6 @@ ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system rol
 OPTION_OBJECTS = ("options", "parameters")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _MAX_INT_DIGITS = len(str(INT64_MIN))
-
-
-def out_of_range(field: str) -> RequestError:
-    return RequestError(f"invalid value for {field}: number out of range")
 
 
 # ---- the body rules -------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Bundle a trained Sudoku checkpoint as the model dgemma ships: HF checkpoint -> `dgemma convert` -> GGUF.
 
     python recipes/sudoku/bundle.py --checkpoint /work/sudoku-run2/hf-anneal
+    python recipes/sudoku/bundle.py --checkpoint recipes/sudoku/checkpoint   # in place: after a vocab.py template change
 
 1. Export `recipes/sudoku/checkpoint/` (committed): the weights rounded to float16, config, generation config,
    tokenizer files and the training log. This is "the bundled checkpoint": the goldens
@@ -157,6 +158,8 @@ def main() -> None:
 
     if args.checkpoint.resolve() != args.out_checkpoint.resolve():
         export_checkpoint(args.checkpoint, args.out_checkpoint)
+    # the template is vocab.py's: re-bundling in place after a template change only changes tokenizer.chat_template
+    (args.out_checkpoint / "chat_template.jinja").write_text(vocab.CHAT_TEMPLATE)
     gen = generation_config(args.out_checkpoint)  # idempotent: re-bundling in place applies sampler.json again
     (args.out_checkpoint / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
     convert(args.out_checkpoint, args.out_gguf, args.outtype)

@@ -19,9 +19,10 @@ BOS, EOS, PAD = 2, 1, 0
 DIGIT_BASE = len(SPECIALS)  # id of '0'
 CELL_BASE = DIGIT_BASE + 10
 
-# Renders a user message of 81 digits ('0' = blank) as the cell tokens; the engine tokenizes the result.
+# Renders the latest user message of 81 digits ('0' = blank) as the cell tokens; the engine tokenizes the result.
+# Only the latest one: each puzzle is answered on its own, so earlier turns of a chat (and `tools`) are ignored.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ bos_token }}{% for message in messages if message['role'] == 'user' %}{% if loop.last %}"
     "{% for ch in message['content'] %}<c{{ loop.index0 }}={{ ch }}>{% endfor %}{% endif %}{% endfor %}"
 )
 

@@ -1,13 +1,14 @@
-"""Go-style durations (`1h30m`, `300ms`) and Ollama's `keep_alive` grammar.
+"""Go's text forms as Ollama reads and prints them: durations (`1h30m`, `300ms`), `keep_alive`, `%#v` values.
 
 Ollama clients send `keep_alive` as a number of seconds or as a Go `time.Duration` string; the CLI prints durations in
 Go's text form. Both directions live here so the server and the CLI agree on one grammar.
 """
+import json
 import math
 import re
+from typing import Any
 
-from dgemma_cli.errors import DgemmaError
-from dgemma_cli.server.validation import out_of_range
+from dgemma_cli.errors import DgemmaError, out_of_range
 
 _UNIT_SECONDS = {
     "ns": 1e-9,
@@ -99,3 +100,20 @@ def go_duration(ns: int) -> str:
     if hours:
         text = f"{hours}h{text}"
     return sign + text
+
+
+def go_value(value: Any, wire: bool = False) -> str:
+    """A scalar in Go's `%#v` style: strings double-quoted, booleans `true`/`false`, numbers bare.
+
+    Two spellings are kept, each byte-identical to what it always was: the CLI's (`wire=False`: strings escaped as
+    JSON, integral floats without `.0`, as Go prints them) and the `/api/show` `parameters` text (`wire=True`: only
+    backslash, quote and newline escaped, floats as Python prints them)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        if wire:
+            return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, float) and not wire:
+        return str(int(value)) if value.is_integer() else repr(value)
+    return str(value)
