@@ -9,8 +9,8 @@ import json
 import httpx
 import pytest
 
+from dgemma_cli.errors import DgemmaError
 from dgemma_cli.server.config import ServerConfig
-from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.validation import MAX_DEPTH, parse_body
 from dgemma_cli.store import Store
 from server_harness import FakeBehaviour, InProcessServer, add_model, fake_factory, write_small_gguf
@@ -213,11 +213,11 @@ def test_completions_take_a_string_or_a_list_of_one(fake_server, prompt, status)
 def test_parse_body_names_the_field_and_keeps_good_values():
     assert parse_body(b'{"a": [1, 2.5, "x", null, NaN], "options": {"t": -9223372036854775808}}')["options"] == {
         "t": -(2**63)}
-    with pytest.raises(RequestError, match="invalid value for a.b.1: number out of range"):
+    with pytest.raises(DgemmaError, match="invalid value for a.b.1: number out of range"):
         parse_body(b'{"a": {"b": [0, 1e999]}}')
-    with pytest.raises(RequestError, match="invalid value for t: number out of range"):
+    with pytest.raises(DgemmaError, match="invalid value for t: number out of range"):
         parse_body(b'{"options": {"t": 1e999}}')
-    with pytest.raises(RequestError, match="invalid Unicode in body: lone surrogate U\\+D800"):
+    with pytest.raises(DgemmaError, match="invalid Unicode in body: lone surrogate U\\+D800"):
         parse_body(b'"\\ud800"')
     with pytest.raises(json.JSONDecodeError):
         parse_body(b"{not json")
