@@ -116,7 +116,7 @@ class Hostile:
             size = r.choice([1_000, 100_000, 600_000, 2_000_000])
             return r.choice("xyz <>{}%") * size
         if kind == 4:
-            return "".join(chr(r.randrange(1, 0x2FFFF)) for _ in range(r.randrange(1, 64))).replace("\ud800", "")
+            return "".join(chr(r.randrange(1, 0x2FFFF)) for _ in range(r.randrange(1, 64)))  # surrogates included
         if kind == 5:
             return r.choice(["{{ range(100000)|list|length }}", "{% for x in range(10**9) %}x{% endfor %}",
                              "{{ .Prompt }}{{ .System", "{{ messages[0].content }}", "<|channel>thought",
