@@ -67,6 +67,8 @@ def local_path(value: str, base_dir: Path, paths_within: Path | None) -> Path | 
 
     With `paths_within` (the server, which must never open paths chosen by a client, §8 C) only files inside that
     folder count; anything else falls through to model-name validation."""
+    if "\x00" in value:  # no file has such a name (and the OS calls would raise); the name check refuses it
+        return None
     path = Path(value).expanduser()
     if not path.is_absolute():
         path = base_dir / path
@@ -119,6 +121,11 @@ def validated_gguf(path: Path) -> GGUFInfo:
         raise CreateError(f"model file cannot be run: {exc}") from None
     if "tokenizer.ggml.model" in info.metadata:
         _check_tokenizer(path)
+    if not any(t.name == "token_embd.weight" for t in info.tensors):  # the engine's first binding (a damaged file)
+        raise CreateError("model file cannot be run: GGUF is missing tensor 'token_embd.weight'")
+    template = info.metadata.get("tokenizer.chat_template")
+    if isinstance(template, str) and template:
+        check_jinja_template(template)  # the file's own template is what chats render with
     return info
 
 

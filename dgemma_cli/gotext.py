@@ -8,7 +8,7 @@ import math
 import re
 from typing import Any
 
-from dgemma_cli.errors import DgemmaError
+from dgemma_cli.errors import DgemmaError, out_of_range
 
 _UNIT_SECONDS = {
     "ns": 1e-9,
@@ -23,6 +23,7 @@ _UNIT_SECONDS = {
 _PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
 
 FOREVER = math.inf
+MAX_DURATION_SECONDS = (2**63 - 1) / 1e9  # Go's longest time.Duration, about 292 years
 
 
 def parse_go_duration(text: str) -> float:
@@ -66,7 +67,11 @@ def parse_keep_alive(value: object) -> float | None:
         raise DgemmaError("keep_alive must be a number of seconds or a duration string")
     if math.isnan(seconds):
         raise DgemmaError("keep_alive must be a number of seconds or a duration string")
-    return FOREVER if seconds < 0 else seconds
+    if seconds < 0:
+        return FOREVER
+    if seconds > MAX_DURATION_SECONDS:  # Go's Duration ends here, and expiry times must stay printable dates
+        raise out_of_range("keep_alive")
+    return seconds
 
 
 def _trim_fraction(value: float, decimals: int) -> str:

@@ -51,7 +51,8 @@ class SamplerSetting:
 SAMPLER_SETTINGS: tuple[SamplerSetting, ...] = (
     SamplerSetting("max_steps", "diffusion_steps", "diffusion.eb_max_steps", "max_denoising_steps", int, 48,
                    "max denoising steps", "Max denoising steps per canvas", Limits(1, capped=True)),
-    # the API accepts t_max == t_min (temperature 0 sets both to 0); transformers wants t_min < t_max
+    # the range check accepts t_max == t_min, which the engine's sampler then refuses (it wants t_min < t_max, like
+    # transformers); `temperature: 0` leaves both alone and draws greedily instead (SamplerParams.greedy)
     SamplerSetting("t_max", "diffusion_t_max", "diffusion.eb_t_max", "t_max", float, 0.8,
                    "temperature schedule", "Sampling temperature at the first step", Limits("t_min"),
                    Limits("t_min", inclusive=False)),
@@ -177,7 +178,7 @@ class SamplerParams:
     stability_threshold: int = _RELEASED["stability_threshold"]
     seed: int | None = None
     rng: str = "fast"          # "fast" (counter-based, parallel) or "torch" (transformers' CPU stream, bit for bit)
-    greedy: bool = False       # argmax instead of a categorical draw (reference recordings only)
+    greedy: bool = False       # argmax instead of a categorical draw (reference recordings, `temperature: 0`)
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any], **overrides: Any) -> SamplerParams:

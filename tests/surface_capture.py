@@ -93,7 +93,8 @@ API_CALLS: list[tuple[str, str, str, Any]] = [
                                                              "messages": [{"role": "user", "content": "x"}]}),
     ("openai-completions", "POST", "/v1/completions", {"model": "tiny", "prompt": "Hello", "seed": 7,
                                                        "max_tokens": 16}),
-    ("openai-completions-list", "POST", "/v1/completions", {"model": "tiny", "prompt": ["hi"]}),
+    ("openai-completions-list", "POST", "/v1/completions", {"model": "tiny", "prompt": ["hi"], "seed": 7,
+                                                            "max_tokens": 16}),  # a list of one is accepted
     ("openai-embeddings", "POST", "/v1/embeddings", {"model": "tiny", "input": "x"}),
     ("copy-missing", "POST", "/api/copy", {"source": "nosuch", "destination": "other"}),
     ("delete-missing", "DELETE", "/api/delete", {"model": "nosuch"}),

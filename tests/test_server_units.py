@@ -11,7 +11,7 @@ from dgemma_cli.hosts import parse_host
 from dgemma_cli.server.config import ServerConfig
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.inference import Final, StopScanner, Text, ThinkingSplitter, plan_generation, run_generation
-from dgemma_cli.server.options import check_options, resolve_sampler
+from dgemma_cli.server.options import GREEDY_SEED, check_options, resolve_sampler
 from dgemma_cli.server.streaming import scrub_paths, timestamp
 from server_harness import FakeBehaviour, FakeRunner
 
@@ -91,8 +91,9 @@ def test_sampler_defaults_come_from_metadata_then_reference():
     assert (s.max_steps, s.t_max, s.t_min, s.entropy_bound, s.stability_threshold) == (32, pytest.approx(0.9), 0.4, 0.1, 1)
     assert s.seed is None and s.num_predict == -1
     assert resolve_sampler({"seed": 0}, {}, 256).seed == 0
-    zero = resolve_sampler({"temperature": 0}, {}, 256)
-    assert zero.t_max == zero.t_min == 0.0
+    zero = resolve_sampler({"temperature": 0, "seed": 5}, {}, 256)  # argmax: greedy, with valid temperatures
+    assert zero.greedy and (zero.t_max, zero.t_min) == (0.8, 0.4) and zero.seed == GREEDY_SEED
+    assert not resolve_sampler({"temperature": 0.7}, {}, 256).greedy
     assert resolve_sampler({"diffusion_preview": True}, {}, 256).progress
 
 

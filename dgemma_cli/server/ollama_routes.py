@@ -20,6 +20,7 @@ from dgemma_cli.server.errors import NotFound, RequestError
 from dgemma_cli.server.inference import Final, Progress, Text
 from dgemma_cli.server.jobs import Job, admitted, common_checks, render_messages, with_model_messages
 from dgemma_cli.server.options import check_options
+from dgemma_cli.server.routing import CheckedRoute
 from dgemma_cli.server.runner import ChatTemplate
 from dgemma_cli.server.services import ResolvedModel, Services, services
 from dgemma_cli.server.streaming import (
@@ -35,9 +36,10 @@ from dgemma_cli.server.streaming import (
     until_disconnected,
 )
 from dgemma_cli.server.structured import ollama_format
+from dgemma_cli.server.validation import chat_role, check_chat_size, check_name_text, check_prompt_size
 
 log = logging.getLogger("dgemma.server")
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 
 ERRORS = {
     400: {"model": wire.ErrorResponse, "description": "invalid request"},
@@ -143,6 +145,7 @@ async def generate(req: schemas.GenerateRequest, request: Request):
         return JSONResponse(await _load_or_unload(svc, model, keep_alive, job.num_ctx, chat=False, request=request))
 
     system = req.system if req.system is not None else model.local.system
+    check_prompt_size(svc.num_ctx(model, options), [req.prompt, system])
     context = list(req.context or [])
 
     override = _request_template(req.template) if req.template and not req.raw else None
@@ -186,9 +189,7 @@ async def chat(req: schemas.ChatRequest, request: Request):
     model = await svc.resolve_runnable(_model_text(req.model, req.name))
     messages = [m.model_dump(exclude_none=True) for m in (req.messages or [])]
     for message in messages:
-        message["role"] = message["role"].lower()
-        if message["role"] not in ("system", "user", "assistant", "tool"):
-            raise RequestError(f"invalid message role {message['role']!r}")
+        message["role"] = chat_role(message["role"])
         if message.get("images"):
             raise RequestError(f"{model.full} does not support vision")
         message.pop("images", None)
@@ -205,6 +206,7 @@ async def chat(req: schemas.ChatRequest, request: Request):
 
     conversation = with_model_messages(model, messages)
     truncate = True if req.truncate is None else req.truncate
+    check_chat_size(svc.num_ctx(model, options), conversation, truncate)
 
     def build_prompt(runner, thinking, tools):
         return inference.chat_prompt(runner, conversation, thinking, truncate, tools)
@@ -360,6 +362,8 @@ async def create(req: schemas.CreateRequest, request: Request):
     if req.path is not None or req.modelfile is not None:
         raise RequestError("the server does not read Modelfiles or paths; send 'from', 'files' and the other fields")
     name = svc.parse_name(_model_text(req.model, req.name))
+    check_name_text(req.from_)
+    check_options(req.parameters)  # typed like request options, so that a created model's parameters can run
     if not req.from_ and not req.files:
         raise RequestError("neither 'from' or 'files' was specified")
     for key, digest in (req.files or {}).items():

@@ -17,6 +17,7 @@ from dgemma_cli.server import inference, schemas
 from dgemma_cli.server.errors import NotFound, RequestError
 from dgemma_cli.server.inference import Final, Text
 from dgemma_cli.server.jobs import Job, admitted, common_checks, render_messages, with_model_messages
+from dgemma_cli.server.routing import CheckedRoute
 from dgemma_cli.server.services import services
 from dgemma_cli.server.streaming import (
     SSE,
@@ -28,8 +29,9 @@ from dgemma_cli.server.streaming import (
     sse_event,
 )
 from dgemma_cli.server.structured import OutputFormat, openai_format
+from dgemma_cli.server.validation import chat_role, check_chat_size, single_prompt
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=CheckedRoute)
 ERRORS = {
     400: {"model": wire.OpenAIError},
     404: {"model": wire.OpenAIError},
@@ -87,9 +89,7 @@ def _chat_messages(model, messages: list[schemas.OpenAIMessage]) -> list[dict]:
     names: dict[str, str] = {}
     out = []
     for message in messages:
-        role = message.role.lower()
-        if role == "developer":
-            role = "system"
+        role = chat_role(message.role)
         entry: dict[str, Any] = {"role": role, "content": _message_text(model, message)}
         if message.tool_calls:
             entry["tool_calls"] = _history_tool_calls(message.tool_calls)
@@ -133,6 +133,10 @@ def _message_text(model, message: schemas.OpenAIMessage) -> str:
     return "".join(parts)
 
 
+def _num_ctx(svc, model) -> int:
+    return svc.num_ctx(model, svc.merged_options(model, None))  # OpenAI requests cannot set num_ctx
+
+
 async def _prepare(request: Request, req: Any, build_prompt, max_tokens: int | None, think: Any,
                    tools: list[dict] | None = None, output_format: OutputFormat | None = None):
     svc = services(request)
@@ -173,6 +177,7 @@ async def chat_completions(req: schemas.ChatCompletionRequest, request: Request)
         output_format = openai_format(req.response_format.type, schema)
     common_checks(model_probe, req.logprobs, req.top_logprobs)
     messages = with_model_messages(model_probe, _chat_messages(model_probe, req.messages))
+    check_chat_size(_num_ctx(svc, model_probe), messages, truncate=req.truncate is not False)
     think = req.reasoning_effort if req.reasoning_effort not in (None, "none") else None
 
     def build_prompt(runner, thinking, tools):
@@ -229,9 +234,10 @@ async def completions(req: schemas.CompletionRequest, request: Request):
         raise RequestError(f"{model_probe.full} does not support insert")
     if req.logprobs:
         raise RequestError(f"{model_probe.quoted} does not support logprobs")
-    prompt = req.prompt
+    prompt = single_prompt(req.prompt)
 
     messages = with_model_messages(model_probe, [{"role": "user", "content": prompt}])
+    check_chat_size(_num_ctx(svc, model_probe), messages, truncate=False)
 
     def build_prompt(runner, thinking, _tools):
         return runner.tokenize(render_messages(runner, messages, thinking))

@@ -9,7 +9,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from dgemma_cli.errors import out_of_range
 from dgemma_cli.server.errors import RequestError
+from dgemma_cli.server.validation import INT64_MAX, INT64_MIN, check_float32
 from dgemma_engine import settings
 from dgemma_engine.settings import SamplerParams, setting_for_option
 
@@ -55,13 +57,17 @@ def _typed(name: str, value: Any, kind: str) -> Any:
         raise bad
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad
+    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:  # also from Modelfile PARAMETERs
+        raise out_of_range(name)
     if kind == _INT:
         if isinstance(value, float) and (not math.isfinite(value) or not value.is_integer()):
             raise bad
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise out_of_range(name)
         return int(value)
     if not math.isfinite(value):
         raise bad
-    return float(value)
+    return check_float32(name, float(value))
 
 
 def check_options(options: dict[str, Any] | None) -> dict[str, Any]:
@@ -76,6 +82,11 @@ def check_options(options: dict[str, Any] | None) -> dict[str, Any]:
             continue
         checked[name] = _typed(name, value, kind)
     return checked
+
+
+# `temperature: 0` is argmax at every step (docs/server.md): greedy draws, and a fixed seed for the canvas's initial
+# and renoised tokens, so that the answer does not depend on the request's seed either.
+GREEDY_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -96,7 +107,7 @@ def precheck_sampler(options: dict[str, Any], max_steps_cap: int) -> None:
     for setting in settings.SAMPLER_SETTINGS:
         if isinstance(setting.limits.low, str):  # a bound on another setting: unknown before the model's defaults
             explicit.setdefault(setting.option, math.inf)
-    resolve_sampler({**explicit, "temperature": options.get("temperature")}, {}, max_steps_cap)
+    resolve_sampler(explicit, {}, max_steps_cap)
 
 
 def resolve_sampler(options: dict[str, Any], metadata: dict, max_steps_cap: int) -> SamplerSettings:
@@ -107,16 +118,16 @@ def resolve_sampler(options: dict[str, Any], metadata: dict, max_steps_cap: int)
             values[setting.field] = options[setting.option]
         elif setting.limits.capped:  # a model's default above the cap is clipped, not an error
             values[setting.field] = min(values[setting.field], max_steps_cap)
-    if options.get("temperature") == 0:  # §3.5: temperature 0 means argmax at every step
-        values["t_max"] = values["t_min"] = 0.0
     try:
         settings.check_values(values, max_steps_cap=max_steps_cap)
     except settings.SettingError as exc:
         raise RequestError(str(exc)) from None
-    seed = options.get("seed", -1)
+    greedy = options.get("temperature") == 0
+    seed = GREEDY_SEED if greedy else options.get("seed", -1)
     preview = bool(options.get("diffusion_preview", False))
     return SamplerSettings(
         **{s.field: s.type(values[s.field]) for s in settings.SAMPLER_SETTINGS},
+        greedy=greedy,
         seed=None if seed == -1 else int(seed),
         num_predict=int(options.get("num_predict", -1)),
         stop=tuple(s for s in options.get("stop", ()) if s),

@@ -165,7 +165,7 @@ class ChatCompletionRequest(OpenAIRequest):
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str
+    prompt: str | list[str] = Field(description="a string, or a list of exactly one string")
     suffix: str | None = None
     logprobs: int | None = None
 
