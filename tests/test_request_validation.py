@@ -311,3 +311,18 @@ def test_create_from_a_name_with_nul_is_a_400_on_the_real_store(real_server):
     response = post(real_server, "/api/create", '{"model": "copy", "from": "tiny\\u0000"}')
     assert response.status_code == 400 and response.json() == {"error": "invalid model name"}
     assert post(real_server, "/api/create", '{"model": "copy", "from": "tiny", "stream": false}').status_code == 200
+
+
+# ---- /v1/responses: the same rules -----------------------------------------------------------------------------------
+
+RESPONSES = '{"model": "tiny", %s}'
+
+
+@pytest.mark.parametrize("body, expected", [
+    (RESPONSES % f'"input": "Hi", "max_output_tokens": {BIG}', OUT_OF_RANGE),
+    (RESPONSES % f'"input": "Hi", "temperature": {BIG}', OUT_OF_RANGE),
+    (RESPONSES % '"input": "a\\udfffb"', "lone surrogate"),
+    (RESPONSES % '"input": [{"role": "wizard", "content": "x"}]', "invalid message role 'wizard'"),
+])
+def test_responses_follow_the_same_rules(fake_server, body, expected):
+    assert_refused(post(fake_server, "/v1/responses", body), expected)

@@ -18,9 +18,11 @@ from dgemma_cli.server.inference import Final, Text
 from dgemma_cli.server.jobs import Job, admitted, with_model_messages
 from dgemma_cli.server.services import services
 from dgemma_cli.server.streaming import SSE, GuardedStreamingResponse, WorkerStream, collect, error_message, guarded_stream
+from dgemma_cli.server.routing import CheckedRoute
 from dgemma_cli.server.structured import openai_format
+from dgemma_cli.server.validation import chat_role
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=CheckedRoute)
 ERRORS = {status: {"model": wire.OpenAIError} for status in (400, 404, 500, 503)}
 INPUT_TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -52,9 +54,8 @@ def _input_messages(model, req: schemas.ResponsesRequest) -> list[dict]:
     for item in req.input or []:
         kind = item.get("type") or ("message" if item.get("role") else "")
         if kind == "message":
-            role = str(item.get("role") or "user").lower()
-            role = "system" if role == "developer" else role
-            if role not in ("system", "user", "assistant"):
+            role = chat_role(str(item.get("role") or "user"))
+            if role == "tool":  # tool results are `function_call_output` items here
                 raise RequestError(f"invalid message role {role!r}")
             messages.append({"role": role, "content": _content_text(model, item.get("content"))})
         elif kind == "function_call_output":
