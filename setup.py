@@ -1,7 +1,7 @@
 """Build the engine's C core against the ggml that llama-cpp-python ships.
 
 llama-cpp-python installs ggml's headers at `<site-packages>/include` and its shared libraries at
-`<site-packages>/llama_cpp/lib` (see shared/spec/build-notes.md). We compile against exactly those, and link with an
+`<site-packages>/llama_cpp/lib` (see docs/build.md). We compile against exactly those, and link with an
 RPATH to the runtime copy inside `llama_cpp/lib`, so the process holds one ggml: the one `llama_cpp` loads.
 """
 import glob

@@ -1,4 +1,5 @@
-"""The GGUF key/value metadata of a DiffusionGemma file (spec gguf-layout.md §2, §7): 44 keys + 6 sampler keys."""
+"""The GGUF key/value metadata of a DiffusionGemma file (docs/gguf.md#metadata-keys, #tokenizer-keys): 44 keys + 6
+sampler keys."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -2,8 +2,9 @@
 
 The released `config.json` (form A) describes full-attention layers with `global_head_dim` /
 `num_global_key_value_heads`; configs re-saved by newer transformers (form B) carry a `per_layer_config` mapping of
-layer index -> overrides instead. Both resolve to the same per-layer geometry (spec model.md a.2). Everything here is
-validated: a wrong type, a missing required key or an unsupported feature is a ConvertError, never a KeyError later.
+layer index -> overrides instead. Both resolve to the same per-layer geometry (docs/model.md#per-layer-geometry).
+Everything here is validated: a wrong type, a missing required key or an unsupported feature is a ConvertError, never a
+KeyError later.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Output types, llama.cpp's per-tensor type policy, and ggml's own quantizers through ctypes.
 
 The policy reproduces what `llama-quantize` (src/llama-quant.cpp, `llama_tensor_get_type`) decides for this model
-(spec gguf-layout.md §8, §9), so a `q4_k_m` file from dgemma has the same type mix as Unsloth's Q4_K_M. The bytes come
-from `ggml_quantize_chunk` of the ggml that llama-cpp-python ships (K-quants are real K-quants), loaded after
+(docs/gguf.md#type-policy, #quant-mixes), so a `q4_k_m` file from dgemma has the same type mix as Unsloth's Q4_K_M. The
+bytes come from `ggml_quantize_chunk` of the ggml that llama-cpp-python ships (K-quants are real K-quants), loaded after
 `llama_cpp` so the process holds exactly one ggml.
 """
 from __future__ import annotations

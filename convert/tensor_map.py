@@ -1,4 +1,5 @@
-"""HF tensor names -> GGUF tensor names and shapes (llama.cpp PR #24423 layout, spec gguf-layout.md §3, §4, §6, §8).
+"""HF tensor names -> GGUF tensor names and shapes (llama.cpp PR #24423 layout,
+docs/gguf.md#tensor-table, #rope_freqs, #dropped-and-generated-tensors, #type-policy).
 
 `tensor_specs(cfg, n_tokens)` lists every tensor the GGUF must contain for a config, in the order the Unsloth files
 use (the global tensors, then blk.0, blk.1, ...; alphabetical inside each group). Each spec names its checkpoint
@@ -108,14 +109,16 @@ def tensor_specs(cfg: ModelConfig, n_tokens: int) -> list[TensorSpec]:
 
 
 def rope_freqs(cfg: ModelConfig) -> np.ndarray:
-    """Frequency factors of full layers: 1.0 for the rotated pairs, 1e30 (no rotation) for the rest (§4)."""
+    """Frequency factors of full layers: 1.0 for the rotated pairs, 1e30 (no rotation) for the rest
+    (docs/gguf.md#rope_freqs)."""
     n_pairs = cfg.head_dim_full // 2
     a = cfg.n_rot_full_pairs
     return np.array([1.0] * a + [ROPE_FREQ_OFF] * (n_pairs - a), dtype=np.float32)
 
 
 def is_dropped(source_name: str, cfg: ModelConfig) -> bool:
-    """Checkpoint tensors that are deliberately not converted (§6): vision, tied duplicates, a tied lm_head."""
+    """Checkpoint tensors that are deliberately not converted (docs/gguf.md#dropped-and-generated-tensors): vision, tied
+    duplicates, a tied lm_head."""
     if source_name.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.")):
         return True
     if source_name.startswith("model.encoder.language_model.") and not ENCODER_SCALAR.fullmatch(source_name):
@@ -130,14 +133,16 @@ def source_shape_matches(spec: TensorSpec, shape: tuple[int, ...]) -> bool:
 
 
 def float_type(spec: TensorSpec, out: T) -> T:
-    """Float conversion policy (§8): weights of >= 2 dims get the out type, except the router; the rest is F32."""
+    """Float conversion policy (docs/gguf.md#type-policy): weights of >= 2 dims get the out type, except the router; the
+    rest is F32."""
     if spec.n_dims >= 2 and spec.name.endswith(".weight") and not spec.name.endswith("ffn_gate_inp.weight"):
         return out
     return T.F32
 
 
 def is_quantizable(spec: TensorSpec) -> bool:
-    """llama-quantize's filter (§8 rule 1): norms, scales, scalars, rope_freqs and the router stay F32."""
+    """llama-quantize's filter (docs/gguf.md#type-policy rule 1): norms, scales, scalars, rope_freqs and the router stay
+    F32."""
     name = spec.name
     return (spec.n_dims >= 2 and name.endswith("weight") and not name.endswith("_norm.weight")
             and not name.endswith("ffn_gate_inp.weight"))

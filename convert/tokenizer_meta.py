@@ -1,9 +1,9 @@
 """`tokenizer.json` + `tokenizer_config.json` / `chat_template.jinja` -> the GGUF `tokenizer.*` keys (gemma4 model).
 
-The vocabulary is a byte-fallback BPE over raw UTF-8 with `▁` for spaces (spec gguf-layout.md §7). Token types follow
-the PR #24423 converter: `<0xNN>` byte tokens are BYTE; special tokens, `<s>`, `</s>` and every token shaped `<|…>` or
-`<…|>` are CONTROL; other added tokens USER_DEFINED; the rest NORMAL. Scores are placeholders (-1000, as in the
-published files): BPE ranks come from the order of the merges. Runtimes must decide stopping by id, not by type.
+The vocabulary is a byte-fallback BPE over raw UTF-8 with `▁` for spaces (docs/gguf.md#tokenizer-keys). Token types
+follow the PR #24423 converter: `<0xNN>` byte tokens are BYTE; special tokens, `<s>`, `</s>` and every token shaped
+`<|…>` or `<…|>` are CONTROL; other added tokens USER_DEFINED; the rest NORMAL. Scores are placeholders (-1000, as in
+the published files): BPE ranks come from the order of the merges. Runtimes must decide stopping by id, not by type.
 """
 from __future__ import annotations
 

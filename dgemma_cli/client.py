@@ -1,4 +1,4 @@
-"""HTTP client of the dgemma REST API, as the CLI commands use it (spec ollama-compat.md §1).
+"""HTTP client of the dgemma REST API, as the CLI commands use it (docs/compat.md#cli-surface).
 
 Commands get a `Client` from `local_server.connect()` (the server at `DGEMMA_HOST`, or one served in-process).
 Streaming calls yield the server's NDJSON objects one by one; closing the generator (or a KeyboardInterrupt while

@@ -1,4 +1,4 @@
-"""`dgemma run`, `ps` and `stop`: Ollama's client commands over the REST API (spec ollama-compat.md §1.1-§1.2).
+"""`dgemma run`, `ps` and `stop`: Ollama's client commands over the REST API (docs/compat.md#commands, #run).
 
 `run` resolves the model with `/api/show` (pulling it on a 404), gives registered task renderers a chance to handle
 the model (a bundled task model such as sudoku plugs in here), then runs one-shot over `/api/generate` when a prompt
@@ -48,7 +48,7 @@ def read_piped_stdin() -> str:
 
 
 def run_once(client: Client, settings: RunSettings, prompt: str) -> None:
-    """Non-interactive `run`: one `/api/generate`; an empty prompt only loads the model (§1.2)."""
+    """Non-interactive `run`: one `/api/generate`; an empty prompt only loads the model (docs/compat.md#run)."""
     if not prompt:
         client.generate(settings.request(prompt=""))
         return

@@ -29,7 +29,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def startup_warnings(config) -> list[str]:
-    """The loud warnings of spec §1.1: a non-loopback bind, and then a missing API key."""
+    """The loud warnings of docs/compat.md#commands: a non-loopback bind, and then a missing API key."""
     warnings = list(config.warnings)
     if not config.host.is_loopback:
         warnings.append(

@@ -1,5 +1,5 @@
-"""`dgemma pull|create|list|ls|show|rm|cp`: Ollama's store commands as clients of the REST API (spec ollama-compat.md
-§1.1, §1.4).
+"""`dgemma pull|create|list|ls|show|rm|cp`: Ollama's store commands as clients of the REST API
+(docs/compat.md#commands, #output-formats).
 
 Like `run`, `ps` and `stop`, every command talks to the server at DGEMMA_HOST through `local_server.connect()`, which
 serves the same app in-process for the command's duration when nothing answers there: one code path, no daemon left
@@ -97,7 +97,8 @@ def _info_text(value: Any) -> str:
 
 
 def show_info_text(show: dict[str, Any], verbose: bool = False) -> str:
-    """The `show MODEL` blocks of spec §1.4 from an `/api/show` answer (`verbose` adds Metadata and Tensors)."""
+    """The `show MODEL` blocks of docs/compat.md#output-formats from an `/api/show` answer (`verbose` adds Metadata and
+    Tensors)."""
     info = show.get("model_info") or {}
     details = show.get("details") or {}
     arch = info.get("general.architecture") or details.get("family") or ""

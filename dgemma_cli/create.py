@@ -1,4 +1,4 @@
-"""`create`: Modelfile -> layers -> manifest (spec ollama-compat.md §4.2, §4.4, §4.6).
+"""`create`: Modelfile -> layers -> manifest (docs/compat.md#modelfile-instructions, #create, #template-policy).
 
 FROM may name a local GGUF file, a folder holding one GGUF, a Hugging Face checkpoint folder (converted on the fly
 with dgemma_convert), or an existing model (pulled first if missing). Every GGUF is validated by gguf_check before
@@ -51,7 +51,8 @@ TEMPLATE_CHECK_MESSAGES = [{"role": "system", "content": "You are helpful."}, {"
 
 def check_jinja_template(text: str) -> None:
     """Test-render a Jinja chat template with the renderer inference uses (same sandbox, same time and size
-    budget), so a template refused at run time for any conversation is refused here too (§4.6)."""
+    budget), so a template refused at run time for any conversation is refused here too
+    (docs/compat.md#template-policy)."""
     from dgemma_engine.chat import ChatTemplateError, render_chat
 
     try:
@@ -65,8 +66,8 @@ def check_jinja_template(text: str) -> None:
 def local_path(value: str, base_dir: Path, paths_within: Path | None) -> Path | None:
     """The existing local file or folder FROM names, else None (then it is a model name).
 
-    With `paths_within` (the server, which must never open paths chosen by a client, §8 C) only files inside that
-    folder count; anything else falls through to model-name validation."""
+    With `paths_within` (the server, which must never open paths chosen by a client, docs/compat.md, security C) only
+    files inside that folder count; anything else falls through to model-name validation."""
     if "\x00" in value:  # no file has such a name (and the OS calls would raise); the name check refuses it
         return None
     path = Path(value).expanduser()
@@ -170,7 +171,8 @@ def converter_step(status: str, work: Callable[[ByteCounter], None],
                     hide: dict[str, str]) -> Iterator[dict[str, Any]]:
     """Run a converter call in a worker thread and yield progress objects until it ends.
 
-    Converter errors become CreateError with local paths replaced by plain names (no path leaks, §8 C)."""
+    Converter errors become CreateError with local paths replaced by plain names (no path leaks,
+    docs/compat.md, security C)."""
     counter, failure = ByteCounter(), []
 
     def run() -> None:

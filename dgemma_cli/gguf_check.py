@@ -1,6 +1,6 @@
 """Python GGUF validation: the gate every file passes before it enters the store or reaches a native loader.
 
-Spec ollama-compat.md §8 D. The file is memory-mapped and read with bounds checks at every step: each count, length
+docs/compat.md, security D. The file is memory-mapped and read with bounds checks at every step: each count, length
 and offset read from the file is checked against the bytes that remain before it is used, so a hostile header cannot
 make us allocate or loop beyond what the file size allows. Large arrays (the vocabulary, BPE merges) are skipped
 over, not materialised: only their type and length are kept.
@@ -32,7 +32,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 T_BOOL, T_STRING, T_ARRAY = 7, 8, 9
 _INT_TYPES = {0, 1, 2, 3, 4, 5, 10, 11}
 
-# ggml tensor types: name, block elements, block bytes (gguf-layout.md §10 plus the other stable ggml types).
+# ggml tensor types: name, block elements, block bytes (docs/gguf.md#type-numbers plus the other stable ggml types).
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
     0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
     7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
@@ -51,7 +51,7 @@ FILE_TYPES = {
     26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0",
 }
 
-# Keys whose type is fixed by the layout spec; a wrong type is as bad as a missing tensor.
+# Keys whose type is fixed by the layout (docs/gguf.md#metadata-keys); a wrong type is as bad as a missing tensor.
 _INTEGER_KEYS = ("block_count", "context_length", "embedding_length")
 MAX_CANVAS_LENGTH = 4096  # DG_MAX_CANVAS in ggml_ext/csrc/engine/engine.h: the engine refuses longer canvases
 TOKENIZER_MODELS = ("gemma4", "llama")

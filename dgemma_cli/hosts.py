@@ -40,7 +40,8 @@ class HostAddress:
 
 
 def parse_host(value: str, warnings: list[str] | None = None) -> HostAddress:
-    """`[scheme://]host[:port][/path]` per §1.5. An empty host means loopback (unlike Ollama, never all interfaces)."""
+    """`[scheme://]host[:port][/path]` per docs/compat.md#environment. An empty host means loopback (unlike Ollama,
+    never all interfaces)."""
     text = value.strip()
     scheme = "http"
     explicit_scheme = False

@@ -1,6 +1,6 @@
 """`dgemma run --visual`: the canvas denoising live in the terminal (Rich).
 
-Fed by the server's opt-in preview stream (spec ollama-compat.md §3.4): each progress chunk carries the current
+Fed by the server's opt-in preview stream (docs/compat.md#streaming-shape): each progress chunk carries the current
 argmax draft of the canvas being denoised. The frame shows the tail of the committed text, the draft with settled
 positions in one style and still-changing (renoised) positions dimmed, and a counter line (canvas, step k/N, mean
 entropy, accepted positions). Redraws are throttled to `max_fps` so drawing never dominates the step time; a canvas

@@ -1,5 +1,5 @@
 """Modelfiles: Ollama's grammar (the state machine of `ollama/ollama: parser/parser.go`), typed PARAMETERs including
-the diffusion sampler options, and the printer behind `show --modelfile` (spec ollama-compat.md §4).
+the diffusion sampler options, and the printer behind `show --modelfile` (docs/compat.md#modelfile).
 
 `parse_modelfile(text)` returns a `Modelfile`: the semantic content (last FROM/TEMPLATE/SYSTEM win, LICENSE and
 MESSAGE accumulate, `stop` accumulates) with typed parameters. `format_modelfile` prints one in canonical order, and
@@ -27,7 +27,8 @@ ERR_COMMAND = (
 )
 ERR_ROLE = 'message role must be one of "system", "user", or "assistant"'
 
-# PARAMETER types (spec §2.2); the sampler settings' types come from dgemma_engine.settings. `stop` is the only list.
+# PARAMETER types (docs/compat.md#options-typing); the sampler settings' types come from dgemma_engine.settings. `stop`
+# is the only list.
 INT_PARAMS = {
     "num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_predict", "seed", "top_k", "repeat_last_n",
     "num_keep", "draft_num_predict",
@@ -295,7 +296,7 @@ def parse_modelfile(data: str | bytes) -> Modelfile:
 # ---- printing ------------------------------------------------------------------------------------------------------
 
 def quote(value: str) -> str:
-    """Quote a value only when the grammar needs it (spec §4.5); `\"\"\"` cannot be represented."""
+    """Quote a value only when the grammar needs it (docs/compat.md#round-trip); `\"\"\"` cannot be represented."""
     if '"""' in value:
         raise ModelfileError("value may not contain '\"\"\"'")
     if value == "":

@@ -1,6 +1,6 @@
 """Model names with Ollama's grammar: `[scheme://][host/][namespace/]model[:tag]`.
 
-Mirrors `ollama/ollama: types/model/name.go` (spec ollama-compat.md §5): defaults `registry.ollama.ai`, `library`,
+Mirrors `ollama/ollama: types/model/name.go` (docs/compat.md#names-and-store): defaults `registry.ollama.ai`, `library`,
 `latest`, `https`; per-part character sets and length limits; a display form that drops the default host and
 namespace but always shows the tag. A name that fails validation can never become a path component, which is what
 keeps manifest paths inside the store.
@@ -102,7 +102,7 @@ class ModelName:
         return (self.host, self.namespace, self.model, self.tag)
 
     def key(self) -> tuple[str, ...]:
-        """Case-insensitive identity (names match case-insensitively, spec §5)."""
+        """Case-insensitive identity (names match case-insensitively, docs/compat.md#names-and-store)."""
         return tuple(p.lower() for p in self.parts)
 
     def __str__(self) -> str:

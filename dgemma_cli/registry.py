@@ -1,4 +1,5 @@
-"""`pull`: a client for Ollama-protocol registries (registry.ollama.ai, hf.co, mirrors), spec ollama-compat.md §6, §8 E.
+"""`pull`: a client for Ollama-protocol registries (registry.ollama.ai, hf.co, mirrors), docs/compat.md#pull-protocol,
+security E.
 
 Flow: name -> base URL (mirror override, https unless insecure+loopback) -> SSRF gate -> manifest (4 MiB cap, bearer
 token challenge) -> config blob (family check before any weights) -> each layer in ranged parts, in parallel, into a
@@ -181,7 +182,8 @@ def _blocked_ip(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
 
 
 def vet_address(host: str, port: int, implicitly_allowed: bool = False) -> str:
-    """Resolve `host` once and return the IP to connect to; refuse internal addresses unless allowed (§8 E 13)."""
+    """Resolve `host` once and return the IP to connect to; refuse internal addresses unless allowed
+    (docs/compat.md, security E13)."""
     allow = registry_allow_list()
     allowed = implicitly_allowed or host.lower() in allow or f"{host.lower()}:{port}" in allow
     try:

@@ -1,6 +1,6 @@
 """Text output of `dgemma run`: the `--verbose` timing block, thinking blocks and word wrapping.
 
-Ollama's wording and layout are kept exactly (spec ollama-compat.md §1.2, §1.4) so that scripts and eyes used to
+Ollama's wording and layout are kept exactly (docs/compat.md#run, #output-formats) so that scripts and eyes used to
 `ollama run` read dgemma's output the same way.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The interactive `dgemma run` session (spec ollama-compat.md §1.3): `>>> ` prompts, `\"\"\"` multi-line input, history,
+"""The interactive `dgemma run` session (docs/compat.md#repl): `>>> ` prompts, `\"\"\"` multi-line input, history,
 slash commands, Ctrl-C to stop an answer, Ctrl-D to leave. Conversations go over `/api/chat`.
 
 Line editing and history are GNU readline's (Ctrl-A/E, Alt-B/F, Ctrl-K/U/W, Ctrl-L; bracketed paste keeps pasted

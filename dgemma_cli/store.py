@@ -1,4 +1,4 @@
-"""The model store: Ollama's on-disk layout, manifests and blobs (spec ollama-compat.md §5, §8 A–B).
+"""The model store: Ollama's on-disk layout, manifests and blobs (docs/compat.md#names-and-store, security A–B).
 
     <root>/manifests/<host>/<namespace>/<model>/<tag>    manifest JSON
     <root>/blobs/sha256-<64 lowercase hex>                 content-addressed blobs
@@ -142,7 +142,8 @@ def _parse_layer(obj: Any, what: str) -> Layer:
 
 
 def parse_manifest(raw: bytes) -> Manifest:
-    """Validate a manifest's shape, digests and sizes (spec §6 step 3), without touching the filesystem."""
+    """Validate a manifest's shape, digests and sizes (docs/compat.md#pull-protocol step 3), without touching the
+    filesystem."""
     if len(raw) > MAX_MANIFEST_BYTES:
         raise InvalidManifestError("invalid manifest: larger than 4 MiB")
     try:

@@ -1,9 +1,10 @@
-"""Client side of the store endpoints (spec ollama-compat.md §1.1, §2.6, §4.4), on top of `client.Client`.
+"""Client side of the store endpoints (docs/compat.md#commands, #info-and-store-endpoints, #create), on top of
+`client.Client`.
 
 Plain calls (`/api/tags`, `/api/copy`, `/api/delete`, unload, `/api/blobs`) and the part of `create` that Ollama's
 CLI does locally: resolve a Modelfile's FROM on this machine, convert a Hugging Face checkpoint folder to a temporary
 GGUF, upload the GGUF as a blob (HEAD first, POST only if the server lacks it) and build the `/api/create` body. The
-server never sees a local path (§8 C): it gets `files: {name: digest}` or `from: <model name>`.
+server never sees a local path (docs/compat.md, security C): it gets `files: {name: digest}` or `from: <model name>`.
 """
 from __future__ import annotations
 

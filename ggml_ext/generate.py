@@ -1,4 +1,4 @@
-"""Block-diffusion generation loop (shared/spec/model.md §e.1) on an engine `Context`, as a generator of typed events.
+"""Block-diffusion generation loop (docs/model.md#sampler-loop) on an engine `Context`, as a generator of typed events.
 
     params = SamplerParams.from_metadata(model.metadata, seed=42)
     for event in generate(ctx, prompt_ids, params, max_new_tokens=256, tokenizer=tok):

@@ -8,7 +8,7 @@ BPE and transformers' slow->fast conversion do), plus the optional prefix space.
 
 Special tokens are added tokens, matched as wholes in text: CONTROL (type 3) tokens as special, USER_DEFINED (4) as
 plain added tokens (both unnormalised, as in the checkpoints' tokenizer.json). No BOS is added by `encode`: the chat
-template writes `<bos>` itself (shared/spec/model.md §h).
+template writes `<bos>` itself (docs/model.md#tokenizer).
 """
 from __future__ import annotations
 

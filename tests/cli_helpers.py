@@ -12,7 +12,8 @@ from server_harness import free_port
 
 def cli_env(tmp_path: Path, host: str | None = None) -> dict[str, str]:
     """The store under tmp_path and a DGEMMA_HOST: `host`, or a port where nothing listens, so each command serves
-    the API in-process (spec §1) and never talks to a `dgemma serve` someone runs on the default port."""
+    the API in-process (docs/compat.md#cli-surface) and never talks to a `dgemma serve` someone runs on the default
+    port."""
     return {"DGEMMA_MODELS": str(tmp_path / "store"), "DGEMMA_HOST": host or f"127.0.0.1:{free_port()}"}
 
 

@@ -175,7 +175,7 @@ def add_model(store, name: str, gguf: Path, parameters: dict | None = None, syst
     config = {"model_format": "gguf", "model_family": family, "model_families": [family], "model_type": "136",
               "file_type": "F32", "architecture": "amd64", "os": "linux"}
     if template:
-        config["template_format"] = "jinja"  # as create marks Jinja templates (spec §4.6)
+        config["template_format"] = "jinja"  # as create marks Jinja templates (docs/compat.md#template-policy)
     config_digest, config_size = store.write_blob(canonical_json(config))
     store.write_manifest(name, build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers))
 

@@ -1,4 +1,5 @@
-"""What a GGUF must contain, derived in the tests straight from spec gguf-layout.md (§2, §3, §8) and a config.json.
+"""What a GGUF must contain, derived in the tests straight from docs/gguf.md
+(#metadata-keys, #tensor-table, #type-policy) and a config.json.
 
 Deliberately independent of dgemma_convert: tests compare the converter's output with these expectations.
 """
@@ -11,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 ARCH = "diffusion-gemma"
 FULL = "full_attention"
 
-# spec §2: the 44 keys of the Unsloth Q8_0 file, plus the six optional sampler keys dgemma writes
+# docs/gguf.md#metadata-keys: the 44 keys of the Unsloth Q8_0 file, plus the six optional sampler keys dgemma writes
 SPEC_KEYS = {
     "general.architecture", "general.type", "general.name", "general.size_label", "general.quantization_version",
     "general.file_type",
@@ -40,7 +41,7 @@ BLOCK = {T.Q8_0: 32, T.Q4_0: 32, T.Q5_0: 32, T.Q5_1: 32, T.Q4_K: 256, T.Q5_K: 25
 
 
 def layer_geometry(text: dict) -> list[tuple[bool, int, int]]:
-    """(sliding, head_dim, n_kv) per layer from either config form (spec model.md a.2)."""
+    """(sliding, head_dim, n_kv) per layer from either config form (docs/model.md#per-layer-geometry)."""
     per_layer = {int(k): v for k, v in (text.get("per_layer_config") or {}).items()}
     out = []
     for i, kind in enumerate(text["layer_types"]):
@@ -56,7 +57,7 @@ def layer_geometry(text: dict) -> list[tuple[bool, int, int]]:
 
 
 def expected_tensors(text: dict, n_tokens: int) -> dict[str, tuple[int, ...]]:
-    """GGUF tensor name -> ne (ggml order), spec §3."""
+    """GGUF tensor name -> ne (ggml order), docs/gguf.md#tensor-table."""
     H, FF, FFe, E, nH = (text["hidden_size"], text["intermediate_size"], text["moe_intermediate_size"],
                          text["num_experts"], text["num_attention_heads"])
     geo = layer_geometry(text)
@@ -82,7 +83,7 @@ def expected_tensors(text: dict, n_tokens: int) -> dict[str, tuple[int, ...]]:
 
 
 def hf_source(name: str) -> str | None:
-    """The checkpoint tensor a GGUF tensor comes from (spec §3), None for the generated rope_freqs."""
+    """The checkpoint tensor a GGUF tensor comes from (docs/gguf.md#tensor-table), None for the generated rope_freqs."""
     d = "model.decoder."
     fixed = {"token_embd.weight": d + "embed_tokens.weight", "output_norm.weight": d + "norm.weight",
              "rope_freqs.weight": None, "self_cond_pre_norm.weight": d + "self_conditioning.pre_norm.weight",
@@ -116,7 +117,8 @@ def _more_bits(i: int, n: int) -> bool:
 
 
 def expected_types(tensors: dict[str, tuple[int, ...]], outtype: str, n_layer: int) -> dict[str, T]:
-    """GGML type per tensor (spec §8 rules 1-5), tensors taken in file order (globals, then layers ascending)."""
+    """GGML type per tensor (docs/gguf.md#type-policy rules 1-5), tensors taken in file order (globals, then layers
+    ascending)."""
     base = BASE[outtype]
 
     def order(name: str):
@@ -181,7 +183,8 @@ def read_gguf(path):
 
 
 def check_layout(path, config: dict, n_tokens: int, outtype: str) -> None:
-    """Keys, key values derived from the config, tensor names, order, shapes and types (spec §2, §3, §8)."""
+    """Keys, key values derived from the config, tensor names, order, shapes and types
+    (docs/gguf.md#metadata-keys, #tensor-table, #type-policy)."""
     text = config["text_config"]
     kv, tensors, order = read_gguf(path)
     assert set(kv) == SPEC_KEYS | EB_KEYS
@@ -214,7 +217,7 @@ def check_layout(path, config: dict, n_tokens: int, outtype: str) -> None:
 
     expected = expected_tensors(text, n_tokens)
     assert set(tensors) == set(expected)
-    globals_, blocks = order[:7], order[7:]  # spec §1: 7 globals, then blk.0, blk.1, ... (alphabetical inside)
+    globals_, blocks = order[:7], order[7:]  # 7 globals, then blk.0, blk.1, ... (sorted; docs/gguf.md#file-conventions)
     assert globals_ == sorted(globals_) and not any(n.startswith("blk.") for n in globals_)
     layers = [int(n.split(".")[1]) for n in blocks]
     assert layers == sorted(layers)

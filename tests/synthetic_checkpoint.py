@@ -1,7 +1,7 @@
 """Synthetic DiffusionGemma checkpoints written without torch (tests and bench/convert_memory.py).
 
-The tensor list follows spec model.md §(g) (HF names and shapes), independently of the converter's own mapping.
-Tensors are generated and written one at a time, so even multi-GB checkpoints are produced with little memory.
+The tensor list follows docs/model.md#hf-checkpoint-tensors (HF names and shapes), independently of the converter's own
+mapping. Tensors are generated and written one at a time, so even multi-GB checkpoints are produced with little memory.
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def text_config(**overrides) -> dict:
 
 
 def hf_tensors(text: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every checkpoint tensor, per spec model.md §(g), plus one vision tensor to be dropped."""
+    """(name, shape) of every checkpoint tensor, per docs/model.md#hf-checkpoint-tensors, plus one vision tensor to be
+    dropped."""
     H, FF, FFe, E = text["hidden_size"], text["intermediate_size"], text["moe_intermediate_size"], text["num_experts"]
     nH, V = text["num_attention_heads"], text["vocab_size"]
     d = "model.decoder."

@@ -1,4 +1,5 @@
-"""`dgemma --version` (spec §1.1): the running server's version, or Ollama's two warnings when none answers."""
+"""`dgemma --version` (docs/compat.md#commands): the running server's version, or Ollama's two warnings when none
+answers."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
-"""The released 26B-A4B config, planned without weights, against the inventory of Unsloth's files (spec §2, §3, §9)."""
+"""The released 26B-A4B config, planned without weights, against the inventory of Unsloth's files
+(docs/gguf.md#metadata-keys, #tensor-table, #quant-mixes)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ from synthetic_checkpoint import write_synthetic_tokenizer
 
 V = 262_144
 SLIDING, FULL = "sliding_attention", "full_attention"
-# spec model.md a.5 / a.3: the released config.json (form A)
+# docs/model.md#released-geometry, #top-level-config: the released config.json (form A)
 RELEASED_TEXT = dict(
     model_type="diffusion_gemma_text", vocab_size=V, hidden_size=2816, intermediate_size=2112,
     moe_intermediate_size=704, num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
@@ -49,7 +50,7 @@ def test_q8_0_inventory(released_dir):
     assert len(p.tensors) == 692
     assert counts(p) == {"F32": 423, "Q8_0": 269}
     assert sum(t.spec.n_elements for t in p.tensors) == DUMP_ELEMENTS
-    # names and shapes as the spec's tensor table prescribes for this config
+    # names and shapes as the tensor table of docs/gguf.md prescribes for this config
     assert {t.name: t.spec.ne for t in p.tensors} == expected_tensors(RELEASED_TEXT, V)
     assert {kv.key for kv in p.metadata} == SPEC_KEYS | EB_KEYS
     kv = {m.key: m.value for m in p.metadata}
@@ -60,7 +61,7 @@ def test_q8_0_inventory(released_dir):
     assert (kv["diffusion-gemma.attention.key_length"], kv["diffusion-gemma.attention.key_length_swa"]) == (512, 256)
     assert (kv["diffusion-gemma.rope.dimension_count"], kv["diffusion-gemma.rope.dimension_count_swa"]) == (512, 256)
     assert kv["diffusion.canvas_length"] == 256
-    # Q8_0: 26.9 GB (25.0 GiB) in the spec's table
+    # Q8_0: 26.9 GB (25.0 GiB) in the table of docs/gguf.md#quant-mixes
     assert 24.9 < p.total_bytes / 2**30 < 25.2
 
 
@@ -77,7 +78,7 @@ def test_type_mixes(released_dir, outtype, mix, gib):
 
 
 def test_q4_k_m_per_tensor_choices(released_dir):
-    """spec §8 rules 3 and 4: which attn_v and ffn_down tensors get Q6_K / Q8_0."""
+    """docs/gguf.md#type-policy rules 3 and 4: which attn_v and ffn_down tensors get Q6_K / Q8_0."""
     types = {t.name: T(t.ggml_type) for t in plan(released_dir, "q4_k_m").tensors}
     assert types["token_embd.weight"] == T.Q6_K
     q6_v = {int(n.split(".")[1]) for n, t in types.items() if n.endswith("attn_v.weight") and t == T.Q6_K}

@@ -1,4 +1,4 @@
-"""`dgemma convert` on the committed tiny checkpoints: layout per spec, exact values, both config forms."""
+"""`dgemma convert` on the committed tiny checkpoints: layout per docs/gguf.md, exact values, both config forms."""
 from __future__ import annotations
 
 import json
@@ -74,7 +74,8 @@ def test_requantizing_a_quantized_gguf_is_refused(tmp_path, gguf_path):
 
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
 def test_tokenizer_keys(gguf_path, name):
-    """tokenizer.* keys straight from tokenizer.json / tokenizer_config.json / chat_template.jinja (spec §7)."""
+    """tokenizer.* keys straight from tokenizer.json / tokenizer_config.json / chat_template.jinja
+    (docs/gguf.md#tokenizer-keys)."""
     import re
 
     from spec_layout import read_gguf

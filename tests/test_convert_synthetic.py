@@ -103,7 +103,7 @@ def test_untied_checkpoint_writes_output_weight(tmp_path):
 
 
 def test_synthetic_tensor_list_matches_spec_count():
-    """The helper's checkpoint has what the spec lists (sanity of the test helper itself)."""
+    """The helper's checkpoint has what docs/model.md#hf-checkpoint-tensors lists (sanity of the test helper itself)."""
     names = [n for n, _ in hf_tensors(text_config())]
     assert sum(n.startswith("model.decoder.layers.0.") for n in names) == 22  # sliding: with v_proj
     assert sum(n.startswith("model.decoder.layers.1.") for n in names) == 21  # full: no v_proj

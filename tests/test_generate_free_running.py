@@ -2,8 +2,8 @@
 
 Why this can be exact: self-conditioning feeds each step's logits into the next, so a rounding-level difference can
 grow from step to step and part two fp32 implementations at the first near-tie of a draw, an argmax or the entropy
-sort (shared/spec/model.md §f, end). The fixtures are conditioned against that (tests/fixtures/README.md §1), and
-tests/reference/make_free_running_robustness.py checks it on transformers itself (golden:
+sort (docs/model.md#torch-rng-stream item 6). The fixtures are conditioned against that (tests/fixtures/README.md,
+section 1), and tests/reference/make_free_running_robustness.py checks it on transformers itself (golden:
 tests/goldens/free_running_robustness.json): a run is "robust" if transformers still produces its golden sequence
 with Gaussian noise at the fixture's fp32 floor (max |fp32 - fp64| of transformers' own logits,
 tests/reference/engine_fp32_floor.json) added to every decoder output, in every trial.

@@ -1,4 +1,4 @@
-"""Model names: Ollama's grammar, defaults, validation and display form (spec §5)."""
+"""Model names: Ollama's grammar, defaults, validation and display form (docs/compat.md#names-and-store)."""
 from __future__ import annotations
 
 import pytest

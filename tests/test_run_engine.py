@@ -1,5 +1,6 @@
 """`dgemma run` end to end on the real engine with the tiny fixture model: no server is running, so the command
-serves the store in-process (spec §1: one code path, nothing left behind). Seeds make answers reproducible."""
+serves the store in-process (docs/compat.md#cli-surface: one code path, nothing left behind). Seeds make answers
+reproducible."""
 from __future__ import annotations
 
 import os

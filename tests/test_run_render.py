@@ -1,5 +1,5 @@
-"""Output pieces of `dgemma run`: the `--verbose` block (spec §1.2 example), streaming word wrap, the thinking block,
-and `ps` columns."""
+"""Output pieces of `dgemma run`: the `--verbose` block (docs/compat.md#run example), streaming word wrap, the thinking
+block, and `ps` columns."""
 from __future__ import annotations
 
 import io

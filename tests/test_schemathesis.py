@@ -56,7 +56,7 @@ def test_generated_requests_get_documented_non_5xx_answers(served_schema, mode):
     session = requests.Session()
     failures = []
     for operation in _operations(schema):
-        if operation.path == "/api/push":  # 501 by design (spec §8 F 20), checked below instead
+        if operation.path == "/api/push":  # 501 by design (docs/compat.md, security F20), checked below instead
             continue
         strategy = operation.as_strategy(generation_mode=mode)
 

@@ -1,5 +1,5 @@
-"""Security checklist of spec ollama-compat.md §8, sections A–E, as far as the store, pull, create and the GGUF gate
-are concerned (the REST endpoints' own checks live with the server tests)."""
+"""Security checklist of docs/compat.md#security-checklist, sections A–E, as far as the store, pull, create and the GGUF
+gate are concerned (the REST endpoints' own checks live with the server tests)."""
 from __future__ import annotations
 
 import gzip

@@ -1,4 +1,4 @@
-"""Spec ollama-compat.md §8 F–H against the running server: Host and Origin checks, API key, read-only mode, body and
+"""docs/compat.md, security F–H against the running server: Host and Origin checks, API key, read-only mode, body and
 upload caps, hostile digests, names, create payloads and GGUF uploads. Every test also checks the server stays up."""
 import hashlib
 import json
@@ -257,7 +257,7 @@ def test_other_architecture_is_refused(served, tmp_path):
                                      "{% for i in range(10**9) %}x{% endfor %}"])
 def test_template_payloads_fail_safely_at_create(served, payload):
     """Jinja payloads are refused at create; text without Jinja statements is stored as a Go template, which is
-    only ever rendered by the safe Go-subset renderer (spec §4.6), never by Jinja."""
+    only ever rendered by the safe Go-subset renderer (docs/compat.md#template-policy), never by Jinja."""
     url, store = served()
     name = "evil" + hashlib.sha256(payload.encode()).hexdigest()[:8]
     r = HTTP.post(url + "/api/create", json={"model": name, "from": "tiny", "template": payload, "stream": False})

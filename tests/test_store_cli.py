@@ -1,4 +1,4 @@
-"""`dgemma pull|create|list|show|rm|cp` as clients of the REST API (spec ollama-compat.md §1): against a running
+"""`dgemma pull|create|list|show|rm|cp` as clients of the REST API (docs/compat.md#cli-surface): against a running
 server they touch only that server's store (create uploads its GGUF through /api/blobs, HEAD first); with nothing
 listening they serve the API in-process for their own duration. Errors are the server's text on one line."""
 from __future__ import annotations
@@ -93,7 +93,8 @@ def test_create_from_a_checkpoint_folder_converts_locally_then_uploads(tmp_path,
 
 
 def test_show_modelfile_output_recreates_identical_layers(tmp_path):
-    """The round trip of spec §4.5 through the CLI: `show --modelfile` then `create -f` gives the same layers."""
+    """The round trip of docs/compat.md#round-trip through the CLI: `show --modelfile` then `create -f` gives the same
+    layers."""
     from dgemma_cli.store import Store
 
     env = cli_env(tmp_path)

@@ -48,10 +48,10 @@ def differing(answers: list[sudoku.Solution]) -> list[tuple[str, int]]:
 def test_shipped_gguf_agrees_with_transformers():
     """The shipped file is f32 holding the checkpoint's (f16-exact) weights: the same weights and fp32 compute on both
     sides. The random numbers are identical, but the two forwards still differ by ~1e-6 (summation order), and over
-    48 steps of sampling a near-tie in a categorical draw can flip and send a generation elsewhere (shared/spec/
-    model.md §f). Measured: 12/12 identical at training step 250, 11/12 at step 750 (one hard puzzle, 4 cells apart
-    after 48 steps). At least 10 of the 12 must give the same grid after the same number of steps, and the solved set
-    must match."""
+    48 steps of sampling a near-tie in a categorical draw can flip and send a generation elsewhere
+    (docs/model.md#torch-rng-stream). Measured: 12/12 identical at training step 250, 11/12 at step 750 (one hard
+    puzzle, 4 cells apart after 48 steps). At least 10 of the 12 must give the same grid after the same number of steps,
+    and the solved set must match."""
     answers = solve_all(GGUF)
     assert len(differing(answers)) <= 2, f"dgemma (f32) differs from transformers on {differing(answers)}"
     assert [sudoku.is_solution(c["puzzle"], a.grid) for c, a in zip(GOLDENS["cases"], answers)] == \

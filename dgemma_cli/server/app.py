@@ -23,7 +23,7 @@ log = logging.getLogger("dgemma.server")
 
 
 def default_runner_factory(local_model: Any, num_ctx: int) -> EngineRunner:
-    """Validate the GGUF in Python first (§8 D 10), then hand it to the native loader."""
+    """Validate the GGUF in Python first (docs/compat.md, security D10), then hand it to the native loader."""
     from dgemma_cli.gguf_check import check_diffusion_gguf
 
     check_diffusion_gguf(local_model.gguf_path)
@@ -31,8 +31,8 @@ def default_runner_factory(local_model: Any, num_ctx: int) -> EngineRunner:
 
 
 class JsonBodyMiddleware:
-    """Request bodies are JSON whatever `Content-Type` says: clients often omit it (spec §2.1), and FastAPI would
-    otherwise refuse to parse them. Blob uploads are raw bytes and keep their headers."""
+    """Request bodies are JSON whatever `Content-Type` says: clients often omit it (docs/compat.md#rest-conventions),
+    and FastAPI would otherwise refuse to parse them. Blob uploads are raw bytes and keep their headers."""
 
     def __init__(self, app: Any):
         self.app = app
@@ -122,7 +122,8 @@ def _fix_openapi(app: FastAPI) -> dict[str, Any]:
             had_validation = responses.pop("422", None) is not None
             if had_validation and "400" not in responses:
                 responses["400"] = error("invalid request")
-            # Answered by the middleware on any route (§8 F, G): API key, Host/Origin or read-only refusal, body cap.
+            # Answered by the middleware on any route (docs/compat.md, security F, G): API key, Host/Origin or read-only
+            # refusal, body cap.
             if path != "/":
                 responses.setdefault("401", error("DGEMMA_API_KEY is set and the bearer token is missing or wrong"))
             responses.setdefault("403", {"description": "Host or Origin not allowed (empty body), or read-only mode"})

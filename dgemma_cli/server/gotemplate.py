@@ -1,4 +1,4 @@
-"""The safe subset of Go templates that Ollama Modelfiles use (spec ollama-compat.md §4.6 rule 3).
+"""The safe subset of Go templates that Ollama Modelfiles use (docs/compat.md#template-policy rule 3).
 
 Only `{{ .System }}`, `{{ .Prompt }}`, `{{ .Response }}`, `{{ if .X }}…{{ else }}…{{ end }}` and the `{{-`/`-}}`
 whitespace trimming are understood; there are no functions, pipelines or `range`, so nothing a template says can do

@@ -2,8 +2,8 @@
 
 Runs inside a worker thread and yields neutral outputs (`Text`, `Progress`, `Final`) that the Ollama and OpenAI route
 modules turn into their own wire shapes. `Progress` and `Metrics` are the wire records themselves (dgemma_cli/wire.py):
-a step event's fields get their wire names once, in `step_progress`. Spec ollama-compat.md §2.4 (truncation), §3.3
-(budget), §3.4, §3.5.
+a step event's fields get their wire names once, in `step_progress`. docs/compat.md#chat (truncation), #canvas-budget
+(budget), #streaming-shape, #standard-knobs.
 """
 import math
 import threading
@@ -58,8 +58,8 @@ def no_room_error(prompt_tokens: int, canvas: int, n_ctx: int) -> RequestError:
 
 
 def render_failed(exc: Exception) -> RequestError:
-    """Template failures (sandbox violations included) are a clean 500 without internals (§8 H 25); a render over
-    its time or size budget is a 400 with the budget's one line: the request's data drove it there."""
+    """Template failures (sandbox violations included) are a clean 500 without internals (docs/compat.md, security H25);
+    a render over its time or size budget is a 400 with the budget's one line: the request's data drove it there."""
     from dgemma_engine.chat import ChatTemplateBudgetError
 
     if isinstance(exc, ChatTemplateBudgetError):
@@ -90,7 +90,8 @@ def chat_prompt(runner: Runner, messages: list[dict], think: bool | None, trunca
 
 
 def plan_generation(runner: Runner, prompt_ids: list[int], sampler: SamplerSettings, max_canvases: int) -> Plan:
-    """Canvases = min(ceil(num_predict / C), DGEMMA_MAX_CANVASES, floor((num_ctx - prompt) / C)) (§3.3)."""
+    """Canvases = min(ceil(num_predict / C), DGEMMA_MAX_CANVASES, floor((num_ctx - prompt) / C))
+    (docs/compat.md#canvas-budget)."""
     canvas = runner.canvas_length
     room = (runner.context_length - len(prompt_ids)) // canvas
     if room < 1:
@@ -147,7 +148,8 @@ class ToolCallSplitter:
 
 
 class ThinkingSplitter:
-    """Routes the model's `<|channel>thought … <channel|>` block to `thinking` (never inside `content`, §3.5)."""
+    """Routes the model's `<|channel>thought … <channel|>` block to `thinking` (never inside `content`,
+    docs/compat.md#standard-knobs)."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled

@@ -22,7 +22,8 @@ log = logging.getLogger("dgemma.server")
 
 
 def admitted(handler):
-    """Inference handlers count against DGEMMA_MAX_QUEUE from arrival until they hold a slot (§7)."""
+    """Inference handlers count against DGEMMA_MAX_QUEUE from arrival until they hold a slot
+    (docs/compat.md#concurrency-and-lifecycle)."""
 
     @functools.wraps(handler)
     async def wrapper(req, request: Request):

@@ -1,4 +1,4 @@
-"""Native Ollama API (spec ollama-compat.md §2): inference, info and store endpoints."""
+"""Native Ollama API (docs/compat.md#rest-api): inference, info and store endpoints."""
 import asyncio
 import hashlib
 import logging
@@ -82,7 +82,8 @@ async def version(request: Request) -> JSONResponse:
 # ---- inference ----------------------------------------------------------------------------------------------------
 
 async def _load_or_unload(svc: Services, model: ResolvedModel, keep_alive: float | None, num_ctx: int, chat: bool, request: Request) -> dict:
-    """Empty prompt / messages: load only, or unload with `keep_alive: 0` (§2.5)."""
+    """Empty prompt / messages: load only, or unload with `keep_alive: 0`
+    (docs/compat.md#load-unload-and-keep_alive)."""
     if keep_alive == 0:
         await svc.scheduler.unload(model.display)
         reason = "unload"
@@ -112,7 +113,7 @@ def _answer_line(model: ResolvedModel, chat: bool, text: str, thinking: str, don
 
 def _ndjson(stream: WorkerStream, render, source=None) -> GuardedStreamingResponse:
     """NDJSON of `render(item)` for each item (None: nothing sent); an error after the first byte is one more line
-    (§2.1)."""
+    (docs/compat.md#rest-conventions)."""
 
     async def lines():
         async for item in source if source is not None else stream:
@@ -169,8 +170,8 @@ async def generate(req: schemas.GenerateRequest, request: Request):
 
 
 def _request_template(text: str) -> ChatTemplate:
-    """A per-request `template` (§2.3), classified like a Modelfile TEMPLATE: Jinja is sandboxed, Go only in the
-    safe subset (anything else is a 400, since the caller asked for this template explicitly)."""
+    """A per-request `template` (docs/compat.md#generate), classified like a Modelfile TEMPLATE: Jinja is sandboxed, Go
+    only in the safe subset (anything else is a 400, since the caller asked for this template explicitly)."""
     from dgemma_cli.create import template_format
 
     if template_format(text) == "jinja":
@@ -400,7 +401,8 @@ async def blob_upload(digest: str, request: Request) -> Response:
 
 
 async def _receive_blob(svc: Services, digest: str, request: Request) -> Response:
-    """Stream the body into a temp file inside `blobs/`, hashing as it goes; verify, then rename atomically (§8 G 21)."""
+    """Stream the body into a temp file inside `blobs/`, hashing as it goes; verify, then rename atomically
+    (docs/compat.md, security G21)."""
     from dgemma_cli.store import normalize_digest
 
     expected = normalize_digest(digest)

@@ -1,7 +1,8 @@
-"""OpenAI-compatible layer (spec ollama-compat.md §2.7): chat completions, completions, models; SSE streaming.
+"""OpenAI-compatible layer (docs/compat.md#openai-layer): chat completions, completions, models; SSE streaming.
 
 Requests are translated into the same generation path as the native API. Only sampling fields the client actually
-sent are forwarded (no implicit temperature, §3.5). Errors use OpenAI's error object (rendered by the app).
+sent are forwarded (no implicit temperature, docs/compat.md#standard-knobs). Errors use OpenAI's error object (rendered
+by the app).
 """
 import asyncio
 import json

@@ -1,4 +1,5 @@
-"""Request `options` (spec ollama-compat.md §2.2, §3.2): typing, ranges, and the sampler settings they resolve to.
+"""Request `options` (docs/compat.md#options-typing, #sampler-options): typing, ranges, and the sampler settings they
+resolve to.
 
 Unknown keys are ignored (clients such as LangChain send Ollama-only knobs); known keys with the wrong JSON type are a
 400 naming the expected type, exactly like Ollama. Diffusion defaults come from the model's GGUF metadata, falling back
@@ -45,7 +46,7 @@ def option_type(name: str) -> str | None:
 
 
 def _typed(name: str, value: Any, kind: str) -> Any:
-    """`value` converted to the option's type, or the 400 of §2.2."""
+    """`value` converted to the option's type, or the 400 of docs/compat.md#options-typing."""
     bad = RequestError(f'option "{name}" must be of type {kind}')
     if kind == _BOOL:
         if isinstance(value, bool):

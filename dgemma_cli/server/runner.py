@@ -59,8 +59,8 @@ class ChatTemplate:
 
 
 def select_template(local_model: Any, metadata: dict) -> ChatTemplate:
-    """Spec §4.6: a Jinja TEMPLATE layer, else the GGUF's `tokenizer.chat_template`, else a Go TEMPLATE in the safe
-    subset, else the bare prompt. Go templates are never given to Jinja."""
+    """docs/compat.md#template-policy: a Jinja TEMPLATE layer, else the GGUF's `tokenizer.chat_template`, else a Go
+    TEMPLATE in the safe subset, else the bare prompt. Go templates are never given to Jinja."""
     jinja = jinja_template_text(local_model, metadata)
     if jinja:
         return ChatTemplate("jinja", jinja)

@@ -1,4 +1,4 @@
-"""Model residency and admission (spec ollama-compat.md §7).
+"""Model residency and admission (docs/compat.md#concurrency-and-lifecycle).
 
 - Admission: a request counts as *pending* from arrival until it holds a generation slot (waiting for a load, for a
   free resident place, or for the model's slot). More than `DGEMMA_MAX_QUEUE` pending → 503 with Ollama's text. Waiters

@@ -1,4 +1,4 @@
-"""Network-exposure defences (spec ollama-compat.md §8 F, G): Host allowlist, Origin/CORS allowlist, bearer API key,
+"""Network-exposure defences (docs/compat.md, security F, G): Host allowlist, Origin/CORS allowlist, bearer API key,
 JSON body cap. One pure ASGI middleware, so streaming responses and disconnect detection pass through untouched.
 
 Order matters: a rebinding Host or a foreign Origin is refused before anything else (403, empty body), then CORS
@@ -21,7 +21,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-# Origins a local browser app may legitimately have (§8 F 18); ports are free.
+# Origins a local browser app may legitimately have (docs/compat.md, security F18); ports are free.
 _DEFAULT_ORIGINS = tuple(
     f"{scheme}://{host}{port}"
     for scheme in ("http", "https")
@@ -121,7 +121,7 @@ async def _send_simple(send: Send, status: int, body: bytes = b"", headers: list
 
 
 def error_body(path: str, status: int, message: str) -> bytes:
-    """`{"error": "..."}` natively, the OpenAI error object under `/v1` (spec §2.7)."""
+    """`{"error": "..."}` natively, the OpenAI error object under `/v1` (docs/compat.md#openai-layer)."""
     if path.startswith("/v1/"):
         kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(status, "api_error")
         payload: WireModel = OpenAIError(error=OpenAIErrorBody(message=message, type=kind))
@@ -199,7 +199,8 @@ def _with_headers(send: Send, extra: list[tuple[bytes, bytes]]) -> Send:
 
 
 async def _read_capped_body(receive: Receive, cap: int) -> bytes | None:
-    """The whole request body, or None once it exceeds `cap` bytes (JSON bodies are small; §8 G 21)."""
+    """The whole request body, or None once it exceeds `cap` bytes (JSON bodies are small; docs/compat.md, security
+    G21)."""
     chunks = []
     size = 0
     while True:

@@ -23,7 +23,7 @@ T = TypeVar("T")
 
 NDJSON = "application/x-ndjson"
 SSE = "text/event-stream"
-DISCONNECT_POLL_S = 0.25  # §7: poll for non-streaming requests at least this often
+DISCONNECT_POLL_S = 0.25  # docs/compat.md#concurrency-and-lifecycle: poll non-streaming requests this often
 
 # An absolute path (not a URL and not part of a name like `hf.co/user/repo`): replaced before text leaves the server.
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])(?:/[\w.@+~-]+)+/?")
@@ -39,7 +39,7 @@ def timestamp_of(epoch_seconds: float) -> str:
 
 
 def scrub_paths(text: str) -> str:
-    """No absolute server paths in anything a client sees (§8 C 7)."""
+    """No absolute server paths in anything a client sees (docs/compat.md, security C7)."""
     return _ABSOLUTE_PATH.sub("<path>", text)
 
 
@@ -170,7 +170,8 @@ def guarded_stream(stream: WorkerStream, frames: AsyncIterator[bytes], error_fra
 
 
 async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
-    """Await `awaitable` unless the client leaves first (polled every 250 ms): then cancel it, 499 (§7)."""
+    """Await `awaitable` unless the client leaves first (polled every 250 ms): then cancel it, 499
+    (docs/compat.md#concurrency-and-lifecycle)."""
     task = asyncio.ensure_future(awaitable)
     try:
         while True:

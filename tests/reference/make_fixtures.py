@@ -3,7 +3,7 @@
     python3 tests/reference/make_fixtures.py            # writes tests/fixtures/tiny-a and tests/fixtures/tiny-b
 
 Needs torch==2.13.0 and transformers==5.23.0 (CPU); the tests only read the files this script writes (numpy + json).
-The recipe follows /work/shared/spec/model.md §(i); the file formats are documented in tests/fixtures/README.md.
+The recipe follows docs/model.md#fixture-recipe; the file formats are documented in tests/fixtures/README.md.
 Running the script twice produces byte-identical files on the same machine: it rewrites tests/fixtures/SHA256SUMS,
 so after a regeneration `git diff --stat tests/fixtures` (or `sha256sum -c SHA256SUMS` in that folder) shows any change.
 """
@@ -39,7 +39,7 @@ from tokenizer_trainer import ImageTokenIds, train_gemma_tokenizer  # noqa: E402
 HERE = Path(__file__).resolve().parent
 FIXTURES = HERE.parent / "fixtures"
 CHAT_TEMPLATE = (HERE / "chat_template.jinja").read_text()
-RELEASED_GENERATION_CONFIG = {  # /work/shared/bench/generation_config.json (the released sampler values)
+RELEASED_GENERATION_CONFIG = {  # bench/configs/generation_config.json (the released sampler values)
     "max_denoising_steps": 48, "t_min": 0.4, "t_max": 0.8,
     "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.1},
     "stability_threshold": 1, "confidence_threshold": 0.005,
@@ -64,9 +64,10 @@ class FixtureSpec:
     short_prompt: list[int]
     canvas_length: int = 16
     logit_gain: float = 1.0  # extra factor on the final norm weight: sharper logits, lower entropies, active softcap
-    # Conditioning knobs (see tests/fixtures/README.md §1): with the ×4 recipe alone, self-conditioning amplified a
-    # 1e-5 logit difference 5-35x per denoising step and large q/k norm weights made attention scores so sharp that
-    # fp32 rounding alone moved tiny-b's logits by ~1e-3; no fp32 implementation could then follow transformers.
+    # Conditioning knobs (see tests/fixtures/README.md, section 1): with the ×4 recipe alone, self-conditioning
+    # amplified a 1e-5 logit difference 5-35x per denoising step and large q/k norm weights made attention scores so
+    # sharp that fp32 rounding alone moved tiny-b's logits by ~1e-3; no fp32 implementation could then follow
+    # transformers.
     self_conditioning_gain: float = 0.25  # on the self-conditioning down_proj: its weights stay at init scale
     qk_norm_gain: float = 1.0  # on q_norm/k_norm weights: softer attention scores (each score scales with gain²)
 
@@ -102,8 +103,8 @@ TINY_B = FixtureSpec(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Generation configs (model.md §i). Every field is set explicitly so the checkpoint's generation_config.json
-# (released values) never leaks into a recording.
+# Generation configs (docs/model.md#fixture-recipe). Every field is set explicitly so the checkpoint's
+# generation_config.json (released values) never leaks into a recording.
 
 @dataclass(frozen=True)
 class GenSpec:
@@ -173,7 +174,7 @@ def build_model(spec: FixtureSpec) -> DiffusionGemmaForBlockDiffusion:
     torch.manual_seed(spec.init_seed)
     model = DiffusionGemmaForBlockDiffusion._from_config(
         build_config(spec), attn_implementation="eager", experts_implementation="eager").eval()
-    with torch.no_grad():  # make every constant-initialised parameter informative (model.md §i)
+    with torch.no_grad():  # make every constant-initialised parameter informative (docs/model.md#fixture-recipe)
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("scale"):
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
@@ -211,9 +212,8 @@ def write_checkpoint(spec: FixtureSpec, out: Path) -> None:
     primary, other = (config_b, config_a) if spec.primary_form == "B" else (config_a, config_b)
     write_json(out / "config.json", primary)
     write_json(out / f"config_form_{'a' if spec.primary_form == 'B' else 'b'}.json", other)
-    shared = Path("/work/shared/bench/generation_config.json")
-    if shared.exists():  # keep the copy above in sync with the project's reference file
-        assert json.loads(shared.read_text()) == RELEASED_GENERATION_CONFIG, f"update the copy from {shared}"
+    released = Path(__file__).resolve().parents[2] / "bench" / "configs" / "generation_config.json"
+    assert json.loads(released.read_text()) == RELEASED_GENERATION_CONFIG, f"update the copy from {released}"
     write_json(out / "generation_config.json", RELEASED_GENERATION_CONFIG)
 
     tokenizer = train_gemma_tokenizer(spec.vocab_size, spec.image_ids, chat_template=CHAT_TEMPLATE)
@@ -419,8 +419,8 @@ def tune_early_stop(model, spec: FixtureSpec, g1_run: Run) -> GenSpec:
     """G2: stability 0 and a confidence threshold that makes the steps per canvas vary (seed 0).
 
     Candidates are quantiles of the mean entropies seen in the G1 seed-0 run (for the recipe model that is close
-    to the spec's 0.88·ln V); the first that gives 3 canvases, unequal step counts and at most ~70 % of G1's
-    decoder calls wins (fewer calls also keep the golden files small).
+    to the 0.88·ln V of docs/model.md#fixture-recipe); the first that gives 3 canvases, unequal step counts and at most
+    ~70 % of G1's decoder calls wins (fewer calls also keep the golden files small).
     """
     mean_entropy = np.array([call["mean_entropy"] for call in g1_run.calls], np.float64)
     for q in (0.5, 0.6, 0.4, 0.7, 0.3, 0.8, 0.2, 0.9):

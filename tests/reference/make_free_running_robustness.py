@@ -3,7 +3,7 @@
 The fixture models amplify tiny logit differences through self-conditioning (each step's logits feed the next step):
 measured on tiny-a, a 1e-5 perturbation of the SC input grows 5-35x per step. So any engine whose fp32 logits differ
 from transformers' at rounding level (~1e-5) must diverge on some runs after a few steps, at the first near-tie in a
-categorical draw, an argmax or the entropy sort (shared/spec/model.md §f, end).
+categorical draw, an argmax or the entropy sort (docs/model.md#torch-rng-stream item 6).
 
 This script asks transformers itself: it reruns every golden run with Gaussian noise added to every decoder output,
 at the fixture's fp32 floor (max |transformers fp32 - fp64| over its recorded calls,

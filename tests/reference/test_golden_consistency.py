@@ -1,4 +1,5 @@
-"""The golden recordings are self-consistent and follow the documented sampler (model.md §e, §f) exactly.
+"""The golden recordings are self-consistent and follow the documented sampler
+(docs/model.md#sampler, #torch-rng-stream) exactly.
 
 A NumPy re-implementation of HF's entropy-bound sampler with a torch-compatible MT19937 stream is replayed on the
 recorded raw logits; every recorded decision must come out bit-identical. This guards the fixture files (and the

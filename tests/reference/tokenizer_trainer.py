@@ -20,7 +20,7 @@ import itertools
 import random
 from dataclasses import dataclass
 
-# Gemma-4 control tokens at their released ids (model.md §h). "\n" (107) is an ordinary vocabulary token.
+# Gemma-4 control tokens at their released ids (docs/model.md#tokenizer). "\n" (107) is an ordinary vocabulary token.
 SPECIAL_IDS: dict[int, str] = {
     0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>",
     46: "<|tool>", 47: "<tool|>", 48: "<|tool_call>", 49: "<tool_call|>",

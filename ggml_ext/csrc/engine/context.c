@@ -339,7 +339,7 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
 
     struct ggml_tensor *e = embed(ctx, m, g->ids);
     if (self_cond) {
-        // soft embedding of the previous step's tempered distribution, through the SC gated MLP (model.md §d)
+        // previous step's tempered distribution -> soft embedding -> SC gated MLP (docs/model.md#self-conditioning)
         struct ggml_tensor *prev = c->logits[1 - out];
         prev = ggml_view_2d(ctx, prev, V, n, prev->nb[1], 0);
         // softmax(prev · 1/T) in one op; 1/T changes every step, so step_impl rewrites the op's scale parameter

@@ -1,4 +1,4 @@
-// Graph builders for one DiffusionGemma layer (spec model.md §b), shared by the encoder and the decoder.
+// Graph builders for one DiffusionGemma layer (docs/model.md#layer), shared by the encoder and the decoder.
 //
 // Exactness notes (each is covered by a test against transformers):
 // - GELU (tanh form) is computed in plain f32 (x·σ(2u), fused with the ·up product): ggml's gelu/geglu on the CPU
@@ -56,7 +56,7 @@ struct ggml_tensor *dg_build_gated_mlp(struct ggml_context *ctx, struct ggml_ten
     return ggml_mul_mat(ctx, down, gelu_mul(ctx, g, u));
 }
 
-// Router on the raw residual, experts on pre_feedforward_layernorm_2(a) (model.md §b.5). a: [H, T]
+// Router on the raw residual, experts on pre_feedforward_layernorm_2(a) (docs/model.md#mlp-and-moe-routing). a: [H, T]
 static struct ggml_tensor *build_moe(struct ggml_context *ctx, const dg_model *m, const dg_layer *L,
                                      struct ggml_tensor *a) {
     const int64_t H = m->hp.n_embd, E = m->hp.n_expert, K = m->hp.n_expert_used, FFe = m->hp.n_ff_exp;
@@ -141,7 +141,7 @@ static struct ggml_tensor *build_attention(struct ggml_context *ctx, struct ggml
     return ggml_mul_mat(ctx, L->wo, out);
 }
 
-// One layer (model.md §b.6). Encoder: causal mask + encoder λ; decoder: no mask + decoder λ.
+// One layer (docs/model.md#block-assembly). Encoder: causal mask + encoder λ; decoder: no mask + decoder λ.
 // kv_only: the encoder's last layer, whose output nothing reads; only its K/V are stored.
 struct ggml_tensor *dg_build_layer(struct ggml_context *ctx, struct ggml_cgraph *gf, const dg_model *m,
                                    const dg_context *c, int il, struct ggml_tensor *x, struct ggml_tensor *pos,

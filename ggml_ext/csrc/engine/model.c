@@ -2,7 +2,7 @@
 //
 // Order matters for hostile files: (1) dg_gguf_check walks the raw bytes, (2) ggml parses them, (3) every hparam is
 // read with its type checked first (ggml's typed getters abort on a type mismatch), (4) every tensor is looked up
-// and its shape and type checked against the hparams (gguf-layout.md §12). Only then are tensors used.
+// and its shape and type checked against the hparams (docs/gguf.md#loader-checks). Only then are tensors used.
 #define _GNU_SOURCE  // O_CLOEXEC, MAP_* under -std=c11
 #include <fcntl.h>
 #include <math.h>

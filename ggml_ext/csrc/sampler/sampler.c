@@ -1,4 +1,4 @@
-// Entropy-bound sampler: see sampler.h and shared/spec/model.md §e (algorithm) and §f (torch's random stream).
+// Entropy-bound sampler: see sampler.h, docs/model.md#sampler (algorithm) and #torch-rng-stream (torch's stream).
 #include "sampler.h"
 
 #include <float.h>

@@ -1,4 +1,5 @@
-// DiffusionGemma's entropy-bound sampler (shared/spec/model.md §e, §f) over a float32 [C, V] logits buffer.
+// DiffusionGemma's entropy-bound sampler over a float32 [C, V] logits buffer.
+// Algorithm: docs/model.md#sampler; the random stream of torch mode: docs/model.md#torch-rng-stream.
 //
 // One dg_sampler serves one generation: it owns the random stream, the step counter of the current canvas and the
 // argmax history used by the adaptive stop. Per step it computes, for every canvas row (in parallel over rows):
@@ -55,7 +56,8 @@ DG_API int32_t dg_sampler_step(dg_sampler *s, const float *raw_logits, int64_t r
                                int32_t *argmax, int32_t *sampled, float *entropy, uint8_t *accepted,
                                dg_step_info *info);
 
-// The linear schedule of spec e.1 line 10, exactly in fp32: T = f32(t_min) + f32(t_max - t_min) * (f32(n) / f32(N)).
+// The linear schedule, exactly in fp32: T = f32(t_min) + f32(t_max - t_min) * (f32(n) / f32(N)).
+// (docs/model.md#sampler-loop, line 10)
 DG_API float dg_sampler_temperature(int32_t remaining, int32_t max_steps, double t_min, double t_max);
 
 #endif
