@@ -22,15 +22,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMAS = {
-    "object-required": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-                        "required": ["name", "age"]},
-    "enum": {"type": "string", "enum": ["red", "green", "blue"]},
-    "numbers": {"type": "array", "items": {"type": "number"}},
-    "nested": {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "boolean"}},
-                                                      "required": ["b"]}}, "required": ["a"]},
-    "json": None,
-}
+sys.path.insert(0, str(ROOT / "tests"))
+from json_schemas import SCHEMAS  # noqa: E402  (the schemas the tests check)
 
 
 def canvas_seconds(model, tokenizer, prompt, params, runs: int, threads: int, automaton=None) -> list[float]:

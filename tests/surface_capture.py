@@ -159,7 +159,6 @@ def _cli_process(env: dict[str, str], *args: str) -> dict[str, Any]:
 
 def capture(work: Path, tiny_gguf: Path) -> dict[str, Any]:
     """Everything the golden holds, captured from the code as it is now; `work` is an empty scratch folder."""
-    os.environ.setdefault("COLUMNS", "100")
     env = {"DGEMMA_MODELS": str(work / "store"), "DGEMMA_HOST": f"127.0.0.1:{free_port()}", "COLUMNS": "100",
            "NO_COLOR": "1", "TERM": "dumb"}
     gguf = work / "tiny.gguf"

@@ -9,17 +9,9 @@ import pytest
 
 from dgemma_engine.constrained import CanvasConstraint, TokenAutomaton, best_canvas, compile_constraint
 from dgemma_engine.tokenizer import Tokenizer
+from json_schemas import SCHEMAS
 
 STOPS = [1, 106]
-SCHEMAS = {
-    "object-required": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-                        "required": ["name", "age"]},
-    "enum": {"type": "string", "enum": ["red", "green", "blue"]},
-    "numbers": {"type": "array", "items": {"type": "number"}},
-    "nested": {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "boolean"}},
-                                                      "required": ["b"]}}, "required": ["a"]},
-    "json": None,
-}
 
 
 @pytest.fixture(scope="module")

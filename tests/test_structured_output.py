@@ -12,17 +12,9 @@ from dgemma_engine.constrained import CanvasConstraint, compile_constraint
 from dgemma_engine.generate import SamplerParams, eos_ids_from_metadata, generate
 from dgemma_engine.model import Context, Model
 from dgemma_engine.tokenizer import Tokenizer
+from json_schemas import SCHEMAS
 from server_harness import ServeProcess
 
-SCHEMAS = {
-    "object-required": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-                        "required": ["name", "age"]},
-    "enum": {"type": "string", "enum": ["red", "green", "blue"]},
-    "numbers": {"type": "array", "items": {"type": "number"}},
-    "nested": {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "boolean"}},
-                                                      "required": ["b"]}}, "required": ["a"]},
-    "json": None,
-}
 GENERATIONS = {"tiny-a": 50, "tiny-b": 20}  # seeded generations per schema (tiny-b fewer: CI time)
 PERSON = SCHEMAS["object-required"]
 
