@@ -58,17 +58,15 @@ def _typed(name: str, value: Any, kind: str) -> Any:
         raise bad
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad
+    if kind == _INT:
+        if isinstance(value, float) and not value.is_integer():
+            raise bad
+        value = int(value)
     if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:  # also from Modelfile PARAMETERs
         raise out_of_range(name)
-    if kind == _INT:
-        if isinstance(value, float) and (not math.isfinite(value) or not value.is_integer()):
-            raise bad
-        if not INT64_MIN <= value <= INT64_MAX:
-            raise out_of_range(name)
-        return int(value)
-    if not math.isfinite(value):
-        raise bad
-    return check_float32(name, float(value))
+    return value if kind == _INT else check_float32(name, float(value))
 
 
 def check_options(options: dict[str, Any] | None) -> dict[str, Any]:
