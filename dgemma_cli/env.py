@@ -193,7 +193,10 @@ CLIENT = (NOHISTORY, REGISTRY_MIRRORS, REGISTRY_ALLOW, PULL_PART_SIZE, PULL_STRE
 # Read by the C engine itself (getenv), listed here so the table is complete.
 PROFILE_NODES = Var("DGEMMA_PROFILE_NODES", "any", None, "unset",
                     "the engine prints one line per graph node (bench notes)")
-ENGINE = (PROFILE_NODES,)
+QKERNELS = Var("DGEMMA_QKERNELS", "`auto`, `avx2`, `scalar`, `off`", None, "auto",
+               "quantized weight products: the engine's integer kernels on that path, or ggml's own ops (`off`); "
+               "a path this CPU lacks means ggml's ops")
+ENGINE = (PROFILE_NODES, QKERNELS)
 
 ALL = SERVER + CLIENT + ENGINE
 

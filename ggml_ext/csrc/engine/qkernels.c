@@ -97,7 +97,6 @@ dg_qk_path dg_qk_default_path(void) {
     if (v && !strcmp(v, "off")) return DG_QK_OFF;
     if (v && !strcmp(v, "scalar")) return DG_QK_SCALAR;
     if (v && !strcmp(v, "avx2")) return DG_QK_AVX2;
-    if (v && !strcmp(v, "avx512")) return DG_QK_AVX512;
     if (dg_qk_path_available(DG_QK_AVX512)) return DG_QK_AVX512;
     // the portable kernels are slower than ggml's SIMD dot products: auto never picks them
     return dg_qk_path_available(DG_QK_AVX2) ? DG_QK_AVX2 : DG_QK_OFF;

@@ -16,8 +16,8 @@ typedef enum {
     DG_QK_AVX512 = 3,  // AVX-512 VNNI vpdpbusd (reserved: no kernels yet, never available)
 } dg_qk_path;
 
-// The path DGEMMA_QKERNELS asks for (off, scalar, avx2, avx512, auto; unset or anything else = auto), where auto is
-// the best this CPU has. A path the CPU lacks falls back to ggml's ops.
+// The path DGEMMA_QKERNELS asks for (off, scalar, avx2, auto; unset or anything else = auto), where auto is the best
+// this CPU has (never scalar). A path the CPU lacks falls back to ggml's ops.
 dg_qk_path dg_qk_default_path(void);
 bool dg_qk_path_available(dg_qk_path path);
 // Whether a weight of this type with rows of kd elements has kernels.

@@ -166,6 +166,7 @@ INLINE void q4_K_tile(const dg_block_q4_K *w, const q4k_row_block *rb, const uin
     for (int64_t i = 0; i < nb; i++) {
         __m256i si[4];
         for (int b = 0; b < NR; b++) si[b] = _mm256_setzero_si256();
+#pragma GCC unroll 1  // unrolled, GCC re-associates the integer sums into a tree and spills half of it
         for (int c = 0; c < 4; c++) {
             const __m256i q = load256(w[i].qs + 32 * c);
             const __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
