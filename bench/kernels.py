@@ -19,8 +19,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
 TYPES = {"q8_0": 8, "q5_0": 6, "q4_K": 12, "q6_K": 14}
 BLOCK = {"q8_0": 32, "q5_0": 32, "q4_K": 256, "q6_K": 256}
 
@@ -73,7 +71,8 @@ def engine_bench():
 
 
 def numpy_seconds(s: Shape, reps: int) -> tuple[float, float]:
-    """numpy F32 matmul of the same products: per expert its routed rows against its weight (batched), or dense."""
+    """numpy F32 matmul of the same products: per expert its routed rows against its weight, or dense."""
+    import numpy as np  # after main() has set OpenBLAS's thread count
     rng = np.random.default_rng(0)
     if s.n_expert:
         rows = s.tokens * s.n_used // s.n_expert
@@ -110,30 +109,31 @@ def main() -> None:
                          "load-independent measure on a shared machine, exact at --threads 1")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.threads))
+    os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
+    # numpy first, all shapes: ggml's worker threads keep spinning for a while after a graph, which would slow it
+    which = 1 if args.cpu_time else 0
+    scale = args.threads if args.cpu_time else 1  # CPU time of all threads -> seconds of the whole product
+    shapes = [(group, s) for group in args.shapes.split(",") for s in SHAPES[group] if args.only in s.name]
+    f32_rate = {id(s): 2.0 * s.kd * s.m * s.tokens * (s.n_used or 1) / (numpy_seconds(s, args.reps)[which] / scale)
+                / 1e9 for _, s in shapes}
     run = engine_bench()
     report = {"cpu": cpu_description(), "threads": args.threads, "clock": "cpu" if args.cpu_time else "wall",
               "path": os.environ.get("DGEMMA_QKERNELS", "auto"), "rows": []}
     print(report["cpu"], f"| {args.threads} threads | {report['clock']} time | DGEMMA_QKERNELS={report['path']}")
     print(f"{'shape':<28} {'type':<5} {'ggml GF/s':>9} {'ours GF/s':>9} {'numpy F32':>9} {'ours/ggml':>9} {'ours/F32':>8}")
-    for group in args.shapes.split(","):
-        for s in SHAPES[group]:
-            if args.only not in s.name:
-                continue
-            flop = 2.0 * s.kd * s.m * s.tokens * (s.n_used or 1)
-            which = 1 if args.cpu_time else 0
-            scale = args.threads if args.cpu_time else 1  # CPU time of all threads -> seconds of the whole product
-            f32 = flop / (numpy_seconds(s, args.reps)[which] / scale) / 1e9
-            for t in args.types.split(","):
-                if s.kd % BLOCK[t]:
-                    continue  # K-quants need rows of 256 (the 704-wide rows fall back to 32-element types)
-                ggml = flop / (run(TYPES[t], s, False, args.threads, args.reps)[which] / scale) / 1e9
-                ours = flop / (run(TYPES[t], s, True, args.threads, args.reps)[which] / scale) / 1e9
-                row = {**asdict(s), "group": group, "type": t, "ggml_gflops": round(ggml, 1),
-                       "ours_gflops": round(ours, 1), "numpy_f32_gflops": round(f32, 1)}
-                report["rows"].append(row)
-                print(f"{group + ' ' + s.name:<28} {t:<5} {ggml:9.1f} {ours:9.1f} {f32:9.1f} {ours / ggml:9.2f} "
-                      f"{ours / f32:8.2f}")
+    for group, s in shapes:
+        flop = 2.0 * s.kd * s.m * s.tokens * (s.n_used or 1)
+        f32 = f32_rate[id(s)]
+        for t in args.types.split(","):
+            if s.kd % BLOCK[t]:
+                continue  # K-quants need rows of 256 (the 704-wide rows fall back to 32-element types)
+            ggml = flop / (run(TYPES[t], s, False, args.threads, args.reps)[which] / scale) / 1e9
+            ours = flop / (run(TYPES[t], s, True, args.threads, args.reps)[which] / scale) / 1e9
+            row = {**asdict(s), "group": group, "type": t, "ggml_gflops": round(ggml, 1),
+                   "ours_gflops": round(ours, 1), "numpy_f32_gflops": round(f32, 1)}
+            report["rows"].append(row)
+            print(f"{group + ' ' + s.name:<28} {t:<5} {ggml:9.1f} {ours:9.1f} {f32:9.1f} {ours / ggml:9.2f} "
+                  f"{ours / f32:8.2f}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import platform
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-from dgemma_engine.model import _engine
+from dgemma_engine.model import Context, Model, _engine
 
 SCALAR, AVX2 = 1, 2
 UNSUPPORTED_CPU, NO_KERNEL = -2, -3
@@ -29,6 +31,9 @@ def check(type_name: str, kd: int, n: int, n_expert: int, n_used: int, t: int, x
                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_int]
     type_id = TYPES[type_name] if type_id is None else type_id
     return fn(type_id, kd, n, n_expert, n_used, t, x1, rows_per_expert, threads, seed, path)
+
+
+AVAILABLE_AVX2 = check("q8_0", 32, 1, 1, 1, 1) != UNSUPPORTED_CPU
 
 
 def assert_matches_ggml(rel: float) -> None:
@@ -95,3 +100,44 @@ def test_uncovered_types_and_shapes_are_refused():
     assert check("q8_0", 64, 4, 2, 3, 3) == -1               # more experts used than exist
     assert check("q8_0", 64, 4, 2, 1, 3, x1=2) == -1         # x1 must be 1 or n_used
     assert check("q8_0", 64, 4, 2, 1, 3, path=0) == -1       # "off" is not a kernel path
+
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def first_steps(path: Path, run: dict[str, np.ndarray], calls: int = 3) -> np.ndarray:
+    """Logits of the first recorded decoder calls of a golden run (self-conditioning where recorded)."""
+    with Model.load(path, threads=2) as m, Context(m, n_ctx=len(run["seq"]) + m.hparams.canvas_length,
+                                                    threads=2) as ctx:
+        ctx.encode(run["prompt"])
+        out = []
+        for i in range(min(calls, len(run["pos"]))):
+            start = int(run["pos"][i][0])
+            if start != ctx.n_past:
+                ctx.encode(run["seq"][ctx.n_past:start])
+            if run["has_sc"][i]:
+                ctx.set_self_cond_logits(run["raw"][i - 1])
+                out.append(ctx.step(run["canvas"][i], sc_temperature=float(run["T"][i - 1])).copy())
+            else:
+                out.append(ctx.step(run["canvas"][i]).copy())
+        return np.array(out)
+
+
+@pytest.mark.parametrize("name", ["tiny-a", "tiny-b"])
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_k_m"])
+def test_model_logits_equal_ggml_ops(gguf_path, monkeypatch, name, outtype):
+    """Whole decoder steps of the quantized fixtures (Q8_0 and Q5_0 experts: their widths are below 256) with the
+    engine's kernels and with ggml's ops: bit-identical logits. (A difference in float summation order alone would
+    not stay small here: it flips roundings of the next product's activation quantization.)"""
+    if not AVAILABLE_AVX2:
+        pytest.skip(f"this CPU ({platform.machine()}) lacks AVX2/FMA/F16C; ggml's ops run in both")
+    with np.load(FIXTURES / name / "golden" / "g1_seed0.npz") as z:
+        run = {k: z[k] for k in z.files}
+    path = gguf_path(name, outtype)
+    monkeypatch.setenv("DGEMMA_QKERNELS", "off")
+    ggml = first_steps(path, run)
+    monkeypatch.setenv("DGEMMA_QKERNELS", "avx2")
+    ours = first_steps(path, run)
+    # AVX2: the same f32 operations per lane as ggml's AVX2 dot products for these types (docs/engine.md)
+    np.testing.assert_array_equal(ours, ggml)

@@ -127,7 +127,7 @@ static act_layout layout_of(const qtype *q, int64_t kd) {
     l.nb = kd / q->block;
     l.blocks_bytes = ggml_row_size(q->act, kd);
     l.side = round32(l.blocks_bytes);
-    const size_t side_floats = q->act == GGML_TYPE_Q8_0 ? 2 * (size_t)l.nb : 8 * (size_t)l.nb;
+    const size_t side_floats = q->act == GGML_TYPE_Q8_0 ? 9 * (size_t)l.nb : 8 * (size_t)l.nb;
     l.stride = round32(l.side + sizeof(float) * side_floats);
     return l;
 }
@@ -136,11 +136,13 @@ static void side_floats(const qtype *q, const act_layout *l, uint8_t *row) {
     float *side = (float *)(row + l->side);
     if (q->act == GGML_TYPE_Q8_0) {
         const dg_block_q8_0 *b = (const dg_block_q8_0 *)row;
+        int32_t *lanes = (int32_t *)(side + l->nb);
         for (int64_t i = 0; i < l->nb; i++) {
-            int sum = 0;
-            for (int k = 0; k < DG_QK; k++) sum += b[i].qs[k];
             side[i] = dg_qk_half(b[i].d);
-            side[l->nb + i] = side[i] * (float)sum;
+            for (int lane = 0; lane < 8; lane++) {
+                const int8_t *q = b[i].qs + 4 * lane;
+                lanes[8 * i + lane] = 16 * (q[0] + q[1] + q[2] + q[3]);
+            }
         }
     } else {
         const dg_block_q8_K *b = (const dg_block_q8_K *)row;
@@ -201,7 +203,7 @@ static void product_op(struct ggml_tensor *dst, int ith, int nth, void *userdata
     // bucket the (k, t) pairs by expert (counting sort; every thread builds the same lists): the rows of expert e are
     // [start[e], start[e + 1]) in xs / ys. One small allocation per call and thread (KiBs) plus the kernel scratch.
     const int64_t pairs = K * T;
-    const size_t scratch_floats = 16 * (size_t)l.nb;
+    const size_t scratch_floats = 16 * (size_t)l.nb * DG_QK_ROW_CHUNK;
     void *block = malloc(sizeof(int64_t) * (size_t)(E + 2) + 2 * sizeof(void *) * (size_t)pairs +
                          sizeof(float) * scratch_floats);
     if (!block) abort();  // a custom op cannot report failure; out of memory for a few KiB the process is lost anyway

@@ -42,10 +42,11 @@ typedef struct dg_qk_job {
     int64_t n_rows, n0, n1;
     int64_t nb;               // blocks per row: 32-element blocks, or 256-element super-blocks for K-quants
     size_t side;              // byte offset of an activation row's side floats (see qkernels.c, activation layout)
-    float *scratch;           // per-thread scratch of 16·nb floats
+    float *scratch;           // per-thread scratch of 16·nb·DG_QK_ROW_CHUNK floats
 } dg_qk_job;
 
 typedef void (*dg_qk_kernel)(const dg_qk_job *job);
+#define DG_QK_ROW_CHUNK 32  // weight rows a kernel prepares at once (scratch: 16 floats per block and row)
 
 // NULL when the path has no kernel for that type.
 dg_qk_kernel dg_qk_scalar_kernel(enum ggml_type type);
@@ -61,7 +62,8 @@ typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[DG_QK_K / 2]; 
 typedef struct { uint8_t ql[DG_QK_K / 2]; uint8_t qh[DG_QK_K / 4]; int8_t scales[DG_QK_K / 16]; uint16_t d; } dg_block_q6_K;
 
 // Activation side floats, per row, after the ggml blocks:
-// - Q8_0 activations (Q8_0, Q5_0 weights): dx[nb] (the block scales as f32), then sx[nb] = dx · Σ qs.
+// - Q8_0 activations (Q8_0, Q5_0 weights): dx[nb] (the block scales as f32), then int32 lanes16[8·nb]: 16 · the sum
+//   of qs[4·l .. 4·l + 3] in lane l (Q5_0's offset of 16, in the lanes of vpmaddwd's output).
 // - Q8_K activations (Q4_K, Q6_K weights): s32[8·nb] = d · Σ qs over each 32-element sub-block.
 float dg_qk_half(uint16_t h);
 // Q4_K's 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes.

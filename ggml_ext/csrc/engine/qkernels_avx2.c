@@ -2,7 +2,9 @@
 // integer dot products with vpmaddubsw (u8 × s8 → s16 pairs) and vpmaddwd (s16 × s16 → s32 pairs).
 //
 // Per type the weight side (load, unpack, scales) is done once per row and tile, and the activation side once per
-// activation row and block; only the multiply-adds are done per (row, activation row). Where the weights unpack to
+// activation row and block; only the multiply-adds are done per (row, activation row). The weight rows go in chunks
+// of DG_QK_ROW_CHUNK (their scales decoded once into the scratch): a tile of activation rows is multiplied with
+// every row of the chunk, so it stays in L1 while the chunk's weights (tens of KiB) come from L2. Where the weights unpack to
 // small unsigned integers (Q5_0: 0..31, Q4_K: 0..15, Q6_K: 0..63) they are the unsigned operand of vpmaddubsw and
 // the offset is taken back out with the activation block sums; Q8_0 weights are signed, so the sign moves onto the
 // activations (|w| × sign(x, w)), as in ggml. Compiled with target attributes and chosen at run time (qkernels.c).
@@ -68,21 +70,37 @@ INLINE void q8_0_tile(const dg_block_q8_0 *w, const float *dw, const uint8_t **x
     for (int b = 0; b < NR; b++) y[b][j] = hsum8(acc[b]);
 }
 
+// The weight rows of a chunk, as f32 block scales (nb floats per row)
+TARGET static void block_scales(const dg_qk_job *job, int64_t j0, int64_t j1, size_t block_bytes, float *dw) {
+    for (int64_t j = j0; j < j1; j++, dw += job->nb) {
+        const uint8_t *w = job->w + (size_t)j * job->w_row;
+        for (int64_t i = 0; i < job->nb; i++) {
+            uint16_t d;
+            memcpy(&d, w + (size_t)i * block_bytes, sizeof d);  // d leads both Q8_0 and Q5_0 blocks
+            dw[i] = half_to_float(d);
+        }
+    }
+}
+
+#define W_ROW(T, j) ((const T *)(job->w + (size_t)(j) * job->w_row))
+
 TARGET static void q8_0_job(const dg_qk_job *job) {
-    float *dw = job->scratch;
-    for (int64_t j = job->n0; j < job->n1; j++) {
-        const dg_block_q8_0 *w = (const dg_block_q8_0 *)(job->w + (size_t)j * job->w_row);
-        for (int64_t i = 0; i < job->nb; i++) dw[i] = half_to_float(w[i].d);
-#define Q8_0_TILE(n) q8_0_tile(w, dw, job->x + r, job->y + r, j, job->nb, job->side, n)
+    for (int64_t j0 = job->n0; j0 < job->n1; j0 += DG_QK_ROW_CHUNK) {
+        const int64_t j1 = j0 + DG_QK_ROW_CHUNK < job->n1 ? j0 + DG_QK_ROW_CHUNK : job->n1;
+        block_scales(job, j0, j1, sizeof(dg_block_q8_0), job->scratch);
+#define Q8_0_TILE(n)                                                                                  \
+    for (int64_t j = j0; j < j1; j++)                                                                 \
+        q8_0_tile(W_ROW(dg_block_q8_0, j), job->scratch + (j - j0) * job->nb, job->x + r, job->y + r, j, job->nb, \
+                  job->side, n)
         FOR_EACH_TILE(6, job->n_rows, Q8_0_TILE);
 #undef Q8_0_TILE
     }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Q5_0 weights × Q8_0 activations: the 5-bit values q (0..31) unpacked to bytes, Σ q·x per block scaled by dw·dx;
-// the offset (q − 16) comes out at the end as −16 · Σ dw · (dx · Σx) over the blocks (the activations' sx floats)
-
+// Q5_0 weights × Q8_0 activations: the 5-bit values q (0..31) unpacked to bytes, Σ q·x per block in s32 lanes, the
+// offset taken out lane by lane (16 · Σx, the activations' lanes16), scaled by dw·dx: the same lanes as ggml's
+// (q − 16)·x, so the same f32 sums.
 // byte i = 0xff where bit i of the 32-bit mask is set
 INLINE __m256i bits_to_bytes(const uint8_t *bits) {
     uint32_t v;
@@ -104,38 +122,34 @@ INLINE void q5_0_tile(const dg_block_q5_0 *w, const float *dw, const uint8_t **x
     __m256 acc[6];
     const dg_block_q8_0 *xb[6];
     const float *dx[6];
+    const __m256i *lanes16[6];
     for (int b = 0; b < NR; b++) {
         acc[b] = _mm256_setzero_ps();
         xb[b] = (const dg_block_q8_0 *)x[b];
         dx[b] = (const float *)(x[b] + side);
+        lanes16[b] = (const __m256i *)(dx[b] + nb);
     }
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t i = 0; i < nb; i++) {
         const __m256i q = q5_0_values(&w[i]);
         const __m256 d = _mm256_set1_ps(dw[i]);
         for (int b = 0; b < NR; b++) {
-            const __m256i p = _mm256_maddubs_epi16(q, load256(xb[b][i].qs));
-            const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, load256(xb[b][i].qs)), ones);
+            const __m256 s = _mm256_cvtepi32_ps(_mm256_sub_epi32(p, _mm256_loadu_si256(lanes16[b] + i)));
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(dx[b] + i)), s, acc[b]);
         }
     }
-    for (int b = 0; b < NR; b++) {
-        const float *sx = dx[b] + nb;  // dx · Σx per block
-        __m256 off = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= nb; i += 8) off = _mm256_fmadd_ps(_mm256_loadu_ps(dw + i), _mm256_loadu_ps(sx + i), off);
-        float o = hsum8(off);
-        for (; i < nb; i++) o += dw[i] * sx[i];
-        y[b][j] = hsum8(acc[b]) - 16.0f * o;
-    }
+    for (int b = 0; b < NR; b++) y[b][j] = hsum8(acc[b]);
 }
 
 TARGET static void q5_0_job(const dg_qk_job *job) {
-    float *dw = job->scratch;
-    for (int64_t j = job->n0; j < job->n1; j++) {
-        const dg_block_q5_0 *w = (const dg_block_q5_0 *)(job->w + (size_t)j * job->w_row);
-        for (int64_t i = 0; i < job->nb; i++) dw[i] = half_to_float(w[i].d);
-#define Q5_0_TILE(n) q5_0_tile(w, dw, job->x + r, job->y + r, j, job->nb, job->side, n)
+    for (int64_t j0 = job->n0; j0 < job->n1; j0 += DG_QK_ROW_CHUNK) {
+        const int64_t j1 = j0 + DG_QK_ROW_CHUNK < job->n1 ? j0 + DG_QK_ROW_CHUNK : job->n1;
+        block_scales(job, j0, j1, sizeof(dg_block_q5_0), job->scratch);
+#define Q5_0_TILE(n)                                                                                  \
+    for (int64_t j = j0; j < j1; j++)                                                                 \
+        q5_0_tile(W_ROW(dg_block_q5_0, j), job->scratch + (j - j0) * job->nb, job->x + r, job->y + r, j, job->nb, \
+                  job->side, n)
         FOR_EACH_TILE(6, job->n_rows, Q5_0_TILE);
 #undef Q5_0_TILE
     }
@@ -188,21 +202,30 @@ INLINE void q4_K_tile(const dg_block_q4_K *w, const q4k_row_block *rb, const uin
     for (int b = 0; b < NR; b++) y[b][j] = hsum8(acc[b]);
 }
 
-TARGET static void q4_K_job(const dg_qk_job *job) {
-    q4k_row_block *rb = (q4k_row_block *)job->scratch;  // 16 floats per super-block
-    for (int64_t j = job->n0; j < job->n1; j++) {
-        const dg_block_q4_K *w = (const dg_block_q4_K *)(job->w + (size_t)j * job->w_row);
-        for (int64_t i = 0; i < job->nb; i++) {
-            const float d = half_to_float(w[i].d), dmin = half_to_float(w[i].dmin);
+TARGET static void q4_K_rows(const dg_qk_job *job, int64_t j0, int64_t j1, q4k_row_block *rb) {
+    for (int64_t j = j0; j < j1; j++) {
+        const dg_block_q4_K *w = W_ROW(dg_block_q4_K, j);
+        for (int64_t i = 0; i < job->nb; i++, rb++) {
+            const float dmin = half_to_float(w[i].dmin);
             for (int s = 0; s < 8; s++) {
                 int sc, m;
                 dg_qk_q4k_scale_min(w[i].scales, s, &sc, &m);
-                rb[i].scales[s] = (int16_t)sc;
-                rb[i].mins[s] = dmin * (float)m;
+                rb->scales[s] = (int16_t)sc;
+                rb->mins[s] = dmin * (float)m;
             }
-            rb[i].d = d;
+            rb->d = half_to_float(w[i].d);
         }
-#define Q4_K_TILE(n) q4_K_tile(w, rb, job->x + r, job->y + r, j, job->nb, job->side, n)
+    }
+}
+
+TARGET static void q4_K_job(const dg_qk_job *job) {
+    q4k_row_block *rb = (q4k_row_block *)job->scratch;  // 16 floats per super-block and row
+    for (int64_t j0 = job->n0; j0 < job->n1; j0 += DG_QK_ROW_CHUNK) {
+        const int64_t j1 = j0 + DG_QK_ROW_CHUNK < job->n1 ? j0 + DG_QK_ROW_CHUNK : job->n1;
+        q4_K_rows(job, j0, j1, rb);
+#define Q4_K_TILE(n)                                                                                           \
+    for (int64_t j = j0; j < j1; j++)                                                                          \
+        q4_K_tile(W_ROW(dg_block_q4_K, j), rb + (j - j0) * job->nb, job->x + r, job->y + r, j, job->nb, job->side, n)
         FOR_EACH_TILE(4, job->n_rows, Q4_K_TILE);
 #undef Q4_K_TILE
     }
@@ -261,9 +284,9 @@ INLINE void q6_K_tile(const dg_block_q6_K *w, const uint8_t **x, float **y, int6
 }
 
 TARGET static void q6_K_job(const dg_qk_job *job) {
-    for (int64_t j = job->n0; j < job->n1; j++) {
-        const dg_block_q6_K *w = (const dg_block_q6_K *)(job->w + (size_t)j * job->w_row);
-#define Q6_K_TILE(n) q6_K_tile(w, job->x + r, job->y + r, j, job->nb, n)
+    for (int64_t j0 = job->n0; j0 < job->n1; j0 += DG_QK_ROW_CHUNK) {
+        const int64_t j1 = j0 + DG_QK_ROW_CHUNK < job->n1 ? j0 + DG_QK_ROW_CHUNK : job->n1;
+#define Q6_K_TILE(n) for (int64_t j = j0; j < j1; j++) q6_K_tile(W_ROW(dg_block_q6_K, j), job->x + r, job->y + r, j, job->nb, n)
         FOR_EACH_TILE(4, job->n_rows, Q6_K_TILE);
 #undef Q6_K_TILE
     }
