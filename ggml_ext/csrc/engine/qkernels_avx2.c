@@ -168,9 +168,9 @@ typedef struct {  // one super-block of a weight row, decoded once per row
 
 INLINE void q4_K_tile(const dg_block_q4_K *w, const q4k_row_block *rb, const uint8_t **x, float **y, int64_t j,
                       int64_t nb, size_t side, const int NR) {
-    __m256 acc[4];
-    const dg_block_q8_K *xb[4];
-    const float *s32[4];
+    __m256 acc[6];
+    const dg_block_q8_K *xb[6];
+    const float *s32[6];
     for (int b = 0; b < NR; b++) {
         acc[b] = _mm256_setzero_ps();
         xb[b] = (const dg_block_q8_K *)x[b];
@@ -178,7 +178,7 @@ INLINE void q4_K_tile(const dg_block_q4_K *w, const q4k_row_block *rb, const uin
     }
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int64_t i = 0; i < nb; i++) {
-        __m256i si[4];
+        __m256i si[6];
         for (int b = 0; b < NR; b++) si[b] = _mm256_setzero_si256();
 #pragma GCC unroll 1  // unrolled, GCC re-associates the integer sums into a tree and spills half of it
         for (int c = 0; c < 4; c++) {
@@ -226,7 +226,7 @@ TARGET static void q4_K_job(const dg_qk_job *job) {
 #define Q4_K_TILE(n)                                                                                           \
     for (int64_t j = j0; j < j1; j++)                                                                          \
         q4_K_tile(W_ROW(dg_block_q4_K, j), rb + (j - j0) * job->nb, job->x + r, job->y + r, j, job->nb, job->side, n)
-        FOR_EACH_TILE(4, job->n_rows, Q4_K_TILE);
+        FOR_EACH_TILE(6, job->n_rows, Q4_K_TILE);
 #undef Q4_K_TILE
     }
 }
@@ -251,28 +251,34 @@ INLINE __m256i q6_K_quarter(const dg_block_q6_K *b, int h, int quarter) {
 }
 
 INLINE void q6_K_tile(const dg_block_q6_K *w, const uint8_t **x, float **y, int64_t j, int64_t nb, const int NR) {
-    __m256 acc[4];
-    const dg_block_q8_K *xb[4];
+    __m256 acc[6];
+    const dg_block_q8_K *xb[6];
     for (int b = 0; b < NR; b++) {
         acc[b] = _mm256_setzero_ps();
         xb[b] = (const dg_block_q8_K *)x[b];
     }
     for (int64_t i = 0; i < nb; i++) {
-        __m256i si[4];
+        __m256i si[6];
         for (int b = 0; b < NR; b++) si[b] = _mm256_setzero_si256();
         const int8_t *sc = w[i].scales;
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));  // [sc0..7 | sc8..15]
         for (int h = 0; h < 2; h++) {
+            const __m256i half = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11)  // sc[8h..8h+7] in both lanes
+                                   : _mm256_permute2x128_si256(sc16, sc16, 0x00);
             for (int quarter = 0; quarter < 4; quarter++) {
                 const __m256i q = q6_K_quarter(&w[i], h, quarter);
-                const int g = 8 * h + 2 * quarter;  // group of the first 16 values; g + 1 for the next 16
-                const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
+                // scale of group 8h + 2·quarter for the first 16 values (low lane), of the next group for the others
+                const __m256i s = _mm256_shuffle_epi8(half, _mm256_setr_epi64x(
+                    0x0101010101010101ll * (4 * quarter) + 0x0100010001000100ll,
+                    0x0101010101010101ll * (4 * quarter) + 0x0100010001000100ll,
+                    0x0101010101010101ll * (4 * quarter + 2) + 0x0100010001000100ll,
+                    0x0101010101010101ll * (4 * quarter + 2) + 0x0100010001000100ll));
                 for (int b = 0; b < NR; b++) {
                     const __m256i p = _mm256_maddubs_epi16(q, load256(xb[b][i].qs + 128 * h + 32 * quarter));
                     si[b] = _mm256_add_epi32(si[b], _mm256_madd_epi16(p, s));
                 }
             }
         }
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         const __m256 d = _mm256_set1_ps(half_to_float(w[i].d));
         for (int b = 0; b < NR; b++) {
             const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sc16, load256(xb[b][i].bsums)), 5);
@@ -287,7 +293,7 @@ TARGET static void q6_K_job(const dg_qk_job *job) {
     for (int64_t j0 = job->n0; j0 < job->n1; j0 += DG_QK_ROW_CHUNK) {
         const int64_t j1 = j0 + DG_QK_ROW_CHUNK < job->n1 ? j0 + DG_QK_ROW_CHUNK : job->n1;
 #define Q6_K_TILE(n) for (int64_t j = j0; j < j1; j++) q6_K_tile(W_ROW(dg_block_q6_K, j), job->x + r, job->y + r, j, job->nb, n)
-        FOR_EACH_TILE(4, job->n_rows, Q6_K_TILE);
+        FOR_EACH_TILE(6, job->n_rows, Q6_K_TILE);
 #undef Q6_K_TILE
     }
 }
