@@ -364,7 +364,7 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
                            slot_of(c, il, c->n_past), span, false, false);
     }
     x = dg_build_rmsw(ctx, m, x, m->output_norm);
-    struct ggml_tensor *logits = ggml_mul_mat(ctx, m->output ? m->output : m->tok_embd, x);  // [V, n]
+    struct ggml_tensor *logits = dg_build_weight_matmul(ctx, m->output ? m->output : m->tok_embd, x);  // [V, n]
     const float cap = m->hp.logit_softcap;
     logits = dg_build_softcap(ctx, logits, cap);
     struct ggml_tensor *dst = ggml_view_2d(ctx, c->logits[out], V, n, c->logits[out]->nb[1], 0);

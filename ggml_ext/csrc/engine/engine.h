@@ -145,5 +145,7 @@ struct ggml_tensor *dg_build_expert_matmul(struct ggml_context *ctx, struct ggml
 struct ggml_tensor *dg_build_expert_matmul_isa(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
                                                struct ggml_tensor *ids, int isa);
 int dg_expert_matmul_isa(void);
+// qkernels.c: ggml_mul_mat(w, x) of a weight, through the engine's quantized kernels where they cover its type
+struct ggml_tensor *dg_build_weight_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x);
 
 void dg_set_err(char *err, size_t err_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

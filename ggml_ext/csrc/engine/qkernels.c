@@ -266,6 +266,11 @@ struct ggml_tensor *dg_build_qmatmul(struct ggml_context *ctx, struct ggml_tenso
                           pack(w->type, path));
 }
 
+struct ggml_tensor *dg_build_weight_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x) {
+    struct ggml_tensor *q = dg_build_qmatmul(ctx, w, x, dg_qk_default_path());
+    return q ? q : ggml_mul_mat(ctx, w, x);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // portable kernels: one output at a time, the same integer sums and float steps as ggml's scalar dot products
 
