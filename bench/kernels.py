@@ -1,6 +1,6 @@
 """The engine's quantized product kernels against ggml's own ops and numpy's F32 GEMM, on the models' weight shapes.
 
-    python3 bench/kernels.py [--threads 2] [--types q8_0,q4_K,q6_K,q5_0] [--shapes real6,mid] [--reps 3] [--json out]
+    python3 bench/kernels.py [--threads 2] [--types q8_0,q4_K,q6_K,q5_0,iq4_nl,iq4_xs] [--shapes real6,mid] [--reps 3] [--json out]
 
 For each weight shape and type: ggml's mul_mat_id (experts) or mul_mat (dense) on random weights quantized by ggml,
 the engine's kernels on the same shape (dgemma_engine's dg_bench_mul_mat with engine_op set; DGEMMA_QKERNELS picks
@@ -19,8 +19,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-TYPES = {"q8_0": 8, "q5_0": 6, "q4_K": 12, "q6_K": 14}
-BLOCK = {"q8_0": 32, "q5_0": 32, "q4_K": 256, "q6_K": 256}
+TYPES = {"q8_0": 8, "q5_0": 6, "q4_K": 12, "q6_K": 14, "iq4_nl": 20, "iq4_xs": 23}
+BLOCK = {"q8_0": 32, "q5_0": 32, "q4_K": 256, "q6_K": 256, "iq4_nl": 32, "iq4_xs": 256}
 
 
 @dataclass

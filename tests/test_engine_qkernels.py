@@ -19,8 +19,8 @@ from dgemma_engine.model import Context, Model, _engine
 
 SCALAR, AVX2 = 1, 2
 UNSUPPORTED_CPU, NO_KERNEL = -2, -3
-TYPES = {"q8_0": 8, "q5_0": 6, "q4_K": 12, "q6_K": 14}
-BLOCK = {"q8_0": 32, "q5_0": 32, "q4_K": 256, "q6_K": 256}
+TYPES = {"q8_0": 8, "q5_0": 6, "q4_K": 12, "q6_K": 14, "iq4_nl": 20, "iq4_xs": 23}
+BLOCK = {"q8_0": 32, "q5_0": 32, "q4_K": 256, "q6_K": 256, "iq4_nl": 32, "iq4_xs": 256}
 
 
 def check(type_name: str, kd: int, n: int, n_expert: int, n_used: int, t: int, x1: int = 1, rows_per_expert: int = 0,
@@ -86,8 +86,8 @@ def test_dense(type_name, tokens, path):
 
 def test_real_expert_geometry():
     """The released model's expert widths (H 2816, FFe 704) at 16 rows per expert, the types its mixes use there."""
-    for type_name, kd, n in (("q4_K", 2816, 64), ("q6_K", 2816, 64), ("q8_0", 2816, 64), ("q5_0", 704, 96),
-                             ("q8_0", 704, 96)):
+    for type_name, kd, n in (("q4_K", 2816, 64), ("q6_K", 2816, 64), ("q8_0", 2816, 64), ("iq4_xs", 2816, 64),
+                             ("q5_0", 704, 96), ("q8_0", 704, 96), ("iq4_nl", 704, 96)):
         assert_matches_ggml(check(type_name, kd, n, 16, 2, 128, x1=2, rows_per_expert=16))
 
 
@@ -95,7 +95,7 @@ def test_uncovered_types_and_shapes_are_refused():
     assert check("q8_0", 48, 4, 2, 1, 3) == NO_KERNEL        # row not a whole number of blocks
     assert check("q4_K", 32 * 9, 4, 2, 1, 3) == NO_KERNEL    # K-quants need whole 256-element super-blocks
     assert check("q8_0", 64, 4, 2, 1, 3, type_id=0) == NO_KERNEL   # F32: the tiled F32 op's business
-    assert check("q8_0", 64, 4, 2, 1, 3, type_id=20) == NO_KERNEL  # IQ4_NL: not covered yet
+    assert check("q8_0", 64, 4, 2, 1, 3, type_id=7) == NO_KERNEL   # Q5_1: not covered yet
     assert check("q8_0", 0, 4, 2, 1, 3) == -1
     assert check("q8_0", 64, 4, 2, 3, 3) == -1               # more experts used than exist
     assert check("q8_0", 64, 4, 2, 1, 3, x1=2) == -1         # x1 must be 1 or n_used

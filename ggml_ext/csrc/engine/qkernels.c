@@ -44,6 +44,12 @@ void dg_qk_q4k_scale_min(const uint8_t *q, int j, int *scale, int *min) {
     }
 }
 
+const int8_t dg_qk_iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+int dg_qk_iq4xs_scale(const dg_block_iq4_xs *b, int j) {
+    return (((b->scales_l[j / 2] >> 4 * (j % 2)) & 0xf) | (((b->scales_h >> 2 * j) & 3) << 4)) - 32;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // types and paths
 
@@ -59,6 +65,8 @@ static bool qtype_of(enum ggml_type type, qtype *out) {
         case GGML_TYPE_Q5_0: *out = (qtype){type, GGML_TYPE_Q8_0, DG_QK, sizeof(dg_block_q5_0)}; break;
         case GGML_TYPE_Q4_K: *out = (qtype){type, GGML_TYPE_Q8_K, DG_QK_K, sizeof(dg_block_q4_K)}; break;
         case GGML_TYPE_Q6_K: *out = (qtype){type, GGML_TYPE_Q8_K, DG_QK_K, sizeof(dg_block_q6_K)}; break;
+        case GGML_TYPE_IQ4_NL: *out = (qtype){type, GGML_TYPE_Q8_0, DG_QK, sizeof(dg_block_iq4_nl)}; break;
+        case GGML_TYPE_IQ4_XS: *out = (qtype){type, GGML_TYPE_Q8_K, DG_QK_K, sizeof(dg_block_iq4_xs)}; break;
         default: return false;
     }
     // our block structs must be ggml's, and ggml must still pair the type with that activation type
@@ -351,6 +359,39 @@ static float dot_q6_K(const uint8_t *wrow, const uint8_t *xrow, const dg_qk_job 
     return sum;
 }
 
+static float dot_iq4_nl(const uint8_t *wrow, const uint8_t *xrow, const dg_qk_job *job) {
+    const dg_block_iq4_nl *w = (const dg_block_iq4_nl *)wrow;
+    const dg_block_q8_0 *x = (const dg_block_q8_0 *)xrow;
+    const float *dx = (const float *)(xrow + job->side);
+    float sum = 0;
+    for (int64_t i = 0; i < job->nb; i++) {
+        int s = 0;
+        for (int k = 0; k < DG_QK / 2; k++)
+            s += dg_qk_iq4_values[w[i].qs[k] & 0xf] * x[i].qs[k] + dg_qk_iq4_values[w[i].qs[k] >> 4] * x[i].qs[k + 16];
+        sum += (float)s * (dg_qk_half(w[i].d) * dx[i]);
+    }
+    return sum;
+}
+
+static float dot_iq4_xs(const uint8_t *wrow, const uint8_t *xrow, const dg_qk_job *job) {
+    const dg_block_iq4_xs *w = (const dg_block_iq4_xs *)wrow;
+    const dg_block_q8_K *x = (const dg_block_q8_K *)xrow;
+    float sum = 0;
+    for (int64_t i = 0; i < job->nb; i++) {
+        int sumi = 0;
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *qs = w[i].qs + 16 * j;
+            const int8_t *xs = x[i].qs + 32 * j;
+            int s = 0;
+            for (int k = 0; k < 16; k++)
+                s += dg_qk_iq4_values[qs[k] & 0xf] * xs[k] + dg_qk_iq4_values[qs[k] >> 4] * xs[k + 16];
+            sumi += dg_qk_iq4xs_scale(&w[i], j) * s;
+        }
+        sum += x[i].d * dg_qk_half(w[i].d) * (float)sumi;
+    }
+    return sum;
+}
+
 #define DEFINE_SCALAR_JOB(T)                                                                       \
     static void scalar_job_##T(const dg_qk_job *job) {                                             \
         for (int64_t j = job->n0; j < job->n1; j++)                                                \
@@ -361,6 +402,8 @@ DEFINE_SCALAR_JOB(q8_0)
 DEFINE_SCALAR_JOB(q5_0)
 DEFINE_SCALAR_JOB(q4_K)
 DEFINE_SCALAR_JOB(q6_K)
+DEFINE_SCALAR_JOB(iq4_nl)
+DEFINE_SCALAR_JOB(iq4_xs)
 
 dg_qk_kernel dg_qk_scalar_kernel(enum ggml_type type) {
     switch (type) {
@@ -368,6 +411,8 @@ dg_qk_kernel dg_qk_scalar_kernel(enum ggml_type type) {
         case GGML_TYPE_Q5_0: return scalar_job_q5_0;
         case GGML_TYPE_Q4_K: return scalar_job_q4_K;
         case GGML_TYPE_Q6_K: return scalar_job_q6_K;
+        case GGML_TYPE_IQ4_NL: return scalar_job_iq4_nl;
+        case GGML_TYPE_IQ4_XS: return scalar_job_iq4_xs;
         default: return NULL;
     }
 }

@@ -6,8 +6,8 @@
 // of DG_QK_ROW_CHUNK (their scales decoded once into the scratch): a tile of activation rows is multiplied with
 // every row of the chunk, so it stays in L1 while the chunk's weights (tens of KiB) come from L2. Where the weights unpack to
 // small unsigned integers (Q5_0: 0..31, Q4_K: 0..15, Q6_K: 0..63) they are the unsigned operand of vpmaddubsw and
-// the offset is taken back out with the activation block sums; Q8_0 weights are signed, so the sign moves onto the
-// activations (|w| × sign(x, w)), as in ggml. Compiled with target attributes and chosen at run time (qkernels.c).
+// the offset is taken back out with the activation block sums; Q8_0 and IQ4 weights are signed, so the sign moves
+// onto the activations (|w| × sign(x, w)), as in ggml. Compiled with target attributes and chosen at run time (qkernels.c).
 #include <string.h>
 
 #include "qkernels.h"
@@ -298,8 +298,116 @@ TARGET static void q6_K_job(const dg_qk_job *job) {
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// IQ4_NL (× Q8_0 activations) and IQ4_XS (× Q8_K): 4-bit indices into a signed 16-value grid, looked up with
+// vpshufb; the values are signed, so as for Q8_0 the sign moves onto the activations
+
+INLINE __m256i iq4_grid(void) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)dg_qk_iq4_values)); }
+
+// 16 bytes of indices -> the 32 values of one 32-element block (low nibbles first, then high nibbles)
+INLINE __m256i iq4_values16(const uint8_t *qs, __m256i grid) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0x0f);
+    const __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+    return _mm256_shuffle_epi8(grid, idx);
+}
+
+INLINE void iq4_nl_tile(const dg_block_iq4_nl *w, const float *dw, const uint8_t **x, float **y, int64_t j,
+                        int64_t nb, size_t side, const int NR) {
+    __m256 acc[6];
+    const dg_block_q8_0 *xb[6];
+    const float *dx[6];
+    for (int b = 0; b < NR; b++) {
+        acc[b] = _mm256_setzero_ps();
+        xb[b] = (const dg_block_q8_0 *)x[b];
+        dx[b] = (const float *)(x[b] + side);
+    }
+    const __m256i ones = _mm256_set1_epi16(1), grid = iq4_grid();
+    for (int64_t i = 0; i < nb; i++) {
+        const __m256i v = iq4_values16(w[i].qs, grid);
+        const __m256i av = _mm256_sign_epi8(v, v);
+        const __m256 d = _mm256_set1_ps(dw[i]);
+        for (int b = 0; b < NR; b++) {
+            const __m256i p = _mm256_maddubs_epi16(av, _mm256_sign_epi8(load256(xb[b][i].qs), v));
+            const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(dx[b] + i)), s, acc[b]);
+        }
+    }
+    for (int b = 0; b < NR; b++) y[b][j] = hsum8(acc[b]);
+}
+
+TARGET static void iq4_nl_job(const dg_qk_job *job) {
+    for (int64_t j0 = job->n0; j0 < job->n1; j0 += DG_QK_ROW_CHUNK) {
+        const int64_t j1 = j0 + DG_QK_ROW_CHUNK < job->n1 ? j0 + DG_QK_ROW_CHUNK : job->n1;
+        block_scales(job, j0, j1, sizeof(dg_block_iq4_nl), job->scratch);
+#define IQ4_NL_TILE(n)                                                                                \
+    for (int64_t j = j0; j < j1; j++)                                                                 \
+        iq4_nl_tile(W_ROW(dg_block_iq4_nl, j), job->scratch + (j - j0) * job->nb, job->x + r, job->y + r, j, job->nb, \
+                    job->side, n)
+        FOR_EACH_TILE(6, job->n_rows, IQ4_NL_TILE);
+#undef IQ4_NL_TILE
+    }
+}
+
+typedef struct {  // one IQ4_XS super-block of a weight row, decoded once per row chunk
+    int16_t scales[8];  // scale_j − 32
+    float d;
+    float pad[11];
+} iq4xs_row_block;
+
+INLINE void iq4_xs_tile(const dg_block_iq4_xs *w, const iq4xs_row_block *rb, const uint8_t **x, float **y, int64_t j,
+                        int64_t nb, const int NR) {
+    __m256 acc[6];
+    const dg_block_q8_K *xb[6];
+    for (int b = 0; b < NR; b++) {
+        acc[b] = _mm256_setzero_ps();
+        xb[b] = (const dg_block_q8_K *)x[b];
+    }
+    const __m256i grid = iq4_grid();
+    for (int64_t i = 0; i < nb; i++) {
+        __m256i si[6];
+        for (int b = 0; b < NR; b++) si[b] = _mm256_setzero_si256();
+#pragma GCC unroll 1  // see q4_K_tile
+        for (int sb = 0; sb < 8; sb++) {
+            const __m256i v = iq4_values16(w[i].qs + 16 * sb, grid);
+            const __m256i av = _mm256_sign_epi8(v, v);
+            const __m256i scale = _mm256_set1_epi16(rb[i].scales[sb]);
+            for (int b = 0; b < NR; b++) {
+                const __m256i p = _mm256_maddubs_epi16(av, _mm256_sign_epi8(load256(xb[b][i].qs + 32 * sb), v));
+                si[b] = _mm256_add_epi32(si[b], _mm256_madd_epi16(scale, p));
+            }
+        }
+        const __m256 d = _mm256_set1_ps(rb[i].d);
+        for (int b = 0; b < NR; b++)
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(&xb[b][i].d)), _mm256_cvtepi32_ps(si[b]),
+                                     acc[b]);
+    }
+    for (int b = 0; b < NR; b++) y[b][j] = hsum8(acc[b]);
+}
+
+TARGET static void iq4_xs_job(const dg_qk_job *job) {
+    iq4xs_row_block *rb = (iq4xs_row_block *)job->scratch;  // 16 floats per super-block and row
+    for (int64_t j0 = job->n0; j0 < job->n1; j0 += DG_QK_ROW_CHUNK) {
+        const int64_t j1 = j0 + DG_QK_ROW_CHUNK < job->n1 ? j0 + DG_QK_ROW_CHUNK : job->n1;
+        iq4xs_row_block *out = rb;
+        for (int64_t j = j0; j < j1; j++) {
+            const dg_block_iq4_xs *w = W_ROW(dg_block_iq4_xs, j);
+            for (int64_t i = 0; i < job->nb; i++, out++) {
+                for (int sb = 0; sb < 8; sb++) out->scales[sb] = (int16_t)dg_qk_iq4xs_scale(&w[i], sb);
+                out->d = half_to_float(w[i].d);
+            }
+        }
+#define IQ4_XS_TILE(n)                                                                                 \
+    for (int64_t j = j0; j < j1; j++)                                                                  \
+        iq4_xs_tile(W_ROW(dg_block_iq4_xs, j), rb + (j - j0) * job->nb, job->x + r, job->y + r, j, job->nb, n)
+        FOR_EACH_TILE(6, job->n_rows, IQ4_XS_TILE);
+#undef IQ4_XS_TILE
+    }
+}
+
 dg_qk_kernel dg_qk_avx2_kernel(enum ggml_type type) {
     switch (type) {
+        case GGML_TYPE_IQ4_NL: return iq4_nl_job;
+        case GGML_TYPE_IQ4_XS: return iq4_xs_job;
         case GGML_TYPE_Q8_0: return q8_0_job;
         case GGML_TYPE_Q5_0: return q5_0_job;
         case GGML_TYPE_Q4_K: return q4_K_job;
