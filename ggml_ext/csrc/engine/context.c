@@ -669,7 +669,14 @@ static float *step_impl(dg_context *c, const int32_t *ids, int n, int use_self_c
         ggml_backend_tensor_set(g->mask[kind], mask, 0, ggml_nbytes(g->mask[kind]));
         free(mask);
     }
-    if (!(profile ? compute_profiled(c, g->gf, profile, err, err_len) : compute(c, g->gf, err, err_len))) return NULL;
+    const bool ok = profile ? compute_profiled(c, g->gf, profile, err, err_len) : compute(c, g->gf, err, err_len);
+    if (c->model->place.n_devices > 1) {
+        // the scheduler rewires the sources of nodes that read another device's tensors to its copies, which live
+        // until the next split: a graph spanning devices is used once and rebuilt (building costs well under 1 ms)
+        ggml_free(g->ctx);
+        memset(g, 0, sizeof(*g));
+    }
+    if (!ok) return NULL;
     c->last = out;
     c->last_rows = n;
     if (!c->logits_host[out]) return c->logits[out]->data;
