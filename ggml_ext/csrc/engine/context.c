@@ -403,7 +403,13 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
 // exported API
 
 DG_API dg_model *dg_model_load(const char *path, int n_threads, char *err, size_t err_len) {
-    return dg_model_load_impl(path, n_threads, err, err_len);
+    return dg_model_load_impl(path, n_threads, false, err, err_len);
+}
+
+DG_API int dg_model_check(const char *path, char *err, size_t err_len) {
+    dg_model *m = dg_model_load_impl(path, 1, true, err, err_len);
+    dg_model_free_impl(m);
+    return m != NULL;
 }
 
 DG_API void dg_model_free(dg_model *m) { dg_model_free_impl(m); }

@@ -139,7 +139,8 @@ typedef struct dg_context {
 } dg_context;
 
 // model.c
-dg_model *dg_model_load_impl(const char *path, int n_threads, char *err, size_t err_len);
+// check_only: parse and bind every tensor as a load does, but allocate nothing (what `create` runs on a file).
+dg_model *dg_model_load_impl(const char *path, int n_threads, bool check_only, char *err, size_t err_len);
 void dg_model_free_impl(dg_model *m);
 
 // gguf_check.c: validate the raw bytes of a GGUF before ggml parses it.

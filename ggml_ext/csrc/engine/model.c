@@ -468,7 +468,7 @@ static bool make_transposed_embedding(loader *ld) {
     return true;
 }
 
-dg_model *dg_model_load_impl(const char *path, int n_threads, char *err, size_t err_len) {
+dg_model *dg_model_load_impl(const char *path, int n_threads, bool check_only, char *err, size_t err_len) {
     if (err && err_len) err[0] = 0;
     dg_model *m = calloc(1, sizeof(dg_model));
     if (!m) {
@@ -511,6 +511,7 @@ dg_model *dg_model_load_impl(const char *path, int n_threads, char *err, size_t 
         goto fail;
     }
     if (!read_hparams(&ld) || !bind_tensors(&ld)) goto fail;
+    if (check_only) return m;  // every check a load makes is done; what follows allocates and cannot fail on the file
 
     // point every file tensor at its bytes inside the mapping (no copy: RSS grows only with pages touched)
     m->buf_file = ggml_backend_cpu_buffer_from_ptr(m->map, m->map_size);
