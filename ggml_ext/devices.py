@@ -13,6 +13,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from dgemma_engine._lib import load_library
 from dgemma_engine.errors import EngineError
 
 RPC_ENV = "DGEMMA_RPC"  # registered in dgemma_cli.env's table (read here, by the engine)
@@ -29,10 +30,24 @@ class Device:
     total: int
 
 
+@functools.cache
 def _engine() -> ctypes.CDLL:
-    from dgemma_engine.model import _engine as engine  # noqa: PLC0415  (the binding declares the signatures)
+    lib = load_library("engine")
+    C, S = ctypes.c_char_p, ctypes.c_size_t
+    for name, restype, argtypes in (("dg_rpc_available", ctypes.c_int, []),
+                                    ("dg_rpc_add_server", ctypes.c_int, [C, C, S]),
+                                    ("dg_rpc_start_server", ctypes.c_int, [C, ctypes.c_int, C, S]),
+                                    ("dg_devices_describe", ctypes.c_int, [C, S])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
 
-    return engine()
+
+def serve_rpc(endpoint: str, threads: int) -> str:
+    """Serve this process's CPU as a ggml RPC device; blocks while the server runs, returns why it could not start."""
+    err = ctypes.create_string_buffer(_ERR_LEN)
+    _engine().dg_rpc_start_server(endpoint.encode(), threads, err, _ERR_LEN)
+    return err.value.decode("utf-8", "replace")
 
 
 def list_devices() -> list[Device]:
@@ -43,6 +58,11 @@ def list_devices() -> list[Device]:
         name, description, kind, free, total = line.split("\t")
         out.append(Device(name, description, kind, int(free), int(total)))
     return out
+
+
+def rpc_available() -> bool:
+    """Whether ggml here has its RPC backend (llama-cpp-python built with CMAKE_ARGS="-DGGML_RPC=on")."""
+    return bool(_engine().dg_rpc_available())
 
 
 def parse_endpoints(text: str) -> list[str]:

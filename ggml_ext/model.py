@@ -108,9 +108,7 @@ def _engine() -> ctypes.CDLL:
         "dg_context_logits": (P, [P]),
         "dg_context_logits_rows": (I, [P]),
         "dg_context_soft_embedding": (I, [P, P, I, P, C, S]),
-        # devices.c: the registry, RPC servers, per-layer placement
-        "dg_rpc_add_server": (I, [C, C, S]),
-        "dg_devices_describe": (I, [C, S]),
+        # devices.c: per-layer placement (the registry and RPC servers: dgemma_engine.devices)
         "dg_model_offload": (I, [P, I, I, C, S]),
         "dg_model_unit_device": (I, [P, I, I]),
         "dg_model_n_devices": (I, [P]),

@@ -8,24 +8,9 @@ Bind it to loopback or a private network only.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
 
-from dgemma_engine.devices import is_loopback_or_private, parse_endpoints
-
-_ERR_LEN = 1024
-
-
-def serve(endpoint: str, threads: int) -> str:
-    """Blocks while the server runs; returns the error when it cannot start."""
-    from dgemma_engine._lib import load_library
-
-    lib = load_library("engine")
-    lib.dg_rpc_start_server.restype = ctypes.c_int
-    lib.dg_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
-    err = ctypes.create_string_buffer(_ERR_LEN)
-    lib.dg_rpc_start_server(endpoint.encode(), threads, err, _ERR_LEN)
-    return err.value.decode("utf-8", "replace")
+from dgemma_engine.devices import is_loopback_or_private, parse_endpoints, serve_rpc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     if not is_loopback_or_private(endpoints[0]):
         print(f"WARNING: {endpoints[0]} is not a loopback or private address; ggml RPC is unauthenticated",
               file=sys.stderr)
-    print(f"Error: {serve(endpoints[0], args.threads)}", file=sys.stderr)
+    print(f"Error: {serve_rpc(endpoints[0], args.threads)}", file=sys.stderr)
     return 1
 
 

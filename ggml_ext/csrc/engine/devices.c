@@ -19,6 +19,9 @@ static bool is_accelerator(ggml_backend_dev_t dev) {
     return t == GGML_BACKEND_DEVICE_TYPE_GPU || t == GGML_BACKEND_DEVICE_TYPE_IGPU;
 }
 
+// Whether this llama-cpp-python's ggml has the RPC backend (a build with -DGGML_RPC=on).
+DG_API int dg_rpc_available(void) { return ggml_backend_reg_by_name("RPC") != NULL; }
+
 // ggml's RPC backend is looked up at run time: a stock llama-cpp-python build has none (docs/engine.md#rpc).
 DG_API int dg_rpc_add_server(const char *endpoint, char *err, size_t err_len) {
     ggml_backend_reg_t rpc = ggml_backend_reg_by_name("RPC");
