@@ -10,6 +10,7 @@ the CPU fast path, and each free-running run's sequence and steps per canvas (`d
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -72,8 +73,31 @@ def fast_path_logits(ggufs: dict[str, str]) -> dict:
     return ref
 
 
+def runner_check(path: str, parameters: dict) -> dict:
+    """What the server makes of PARAMETERs num_gpu / num_cpu_moe: the runner's placement, size_vram and `ps` line."""
+    from types import SimpleNamespace
+
+    from dgemma_cli.cmd_run import ps_table
+    from dgemma_cli.server.runner import EngineRunner
+
+    local = SimpleNamespace(name="tiny:latest", gguf_path=Path(path), parameters=parameters, template=None, config={})
+    runner = EngineRunner(local, num_ctx=64, threads=THREADS)
+    try:
+        table = ps_table([{"name": "tiny:latest", "digest": "0" * 64, "size": runner.size,
+                           "size_vram": runner.size_vram, "context_length": 64,
+                           "expires_at": "2099-01-01T00:00:00Z"}])
+        return {"describe": runner.model.placement.describe(), "size": runner.size, "size_vram": runner.size_vram,
+                "ps": table}
+    finally:
+        runner.close()
+
+
 def main() -> None:
     request = json.loads(sys.stdin.read())
+    if "runner" in request:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+        print(json.dumps([runner_check(request["runner"], p) for p in request["parameters"]]))
+        return
     reference = fast_path_logits(request["ggufs"])
     results = [check(request["ggufs"], p, request["free_running"], reference) for p in request["placements"]]
     print(json.dumps(results))

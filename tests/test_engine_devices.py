@@ -169,6 +169,23 @@ def test_debug_generate_cli_on_an_rpc_split(gguf_path, rpc_endpoint):
     assert out == {"sequence": rec["seq"].tolist(), "steps_per_canvas": meta["steps_per_canvas"]}
 
 
+@needs_rpc
+def test_server_runner_places_by_parameters_and_ps_shows_it(gguf_path, rpc_endpoint):
+    request = {"runner": str(gguf_path("tiny-a", "f32")),
+               "parameters": [{}, {"num_gpu": 0}, {"num_gpu": 2}, {"num_gpu": 5, "num_cpu_moe": -1}]}
+    env = {**__import__("os").environ, "DGEMMA_RPC": rpc_endpoint}
+    proc = subprocess.run([sys.executable, str(HERE / "device_check.py")], input=json.dumps(request),
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    default, cpu, partial, experts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "devices: CPU (" in proc.stderr and "RPC0 (" + rpc_endpoint + ")" in proc.stderr  # the load's log line
+    assert default["size_vram"] == default["size"] and "100% GPU" in default["ps"]
+    assert cpu["size_vram"] == 0 and "100% CPU" in cpu["ps"] and cpu["describe"] == "CPU: layers 0-3, output"
+    assert 0 < partial["size_vram"] < partial["size"] and "CPU/GPU" in partial["ps"]
+    assert experts["describe"].startswith("CPU: no layers, experts of layers 0-3; RPC0: layers 0-3, output")
+    assert "CPU/GPU" in experts["ps"]
+
+
 # ---- RPC endpoints, ps, reloads -------------------------------------------------------------------------------------
 
 def test_rpc_endpoints_are_checked_before_ggml_sees_them():

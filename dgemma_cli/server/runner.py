@@ -161,8 +161,11 @@ class EngineRunner:
         self.tool_format = tool_format_of(self.template)
         self.size = os.path.getsize(local_model.gguf_path)
         self.size_vram = vram_bytes(self.model.placement, self.size)
-        log.info("loaded %s: %s", getattr(local_model, "name", "") or self.gguf_path_name(local_model),
-                 self.model.placement.describe())
+        from dgemma_engine.devices import list_devices
+
+        found = ", ".join(f"{d.name} ({d.description})" for d in list_devices())
+        log.info("loaded %s; devices: %s; %s", getattr(local_model, "name", "") or self.gguf_path_name(local_model),
+                 found, self.model.placement.describe())
         self.gguf_path = str(local_model.gguf_path)
 
     @staticmethod
