@@ -71,11 +71,17 @@ struct ggml_tensor *dg_build_gated_mlp(struct ggml_context *ctx, struct ggml_ten
     return ggml_mul_mat(ctx, down, gelu_mul(ctx, g, u, fast));
 }
 
+// Experts on the CPU take the fast kernels (expert_matmul.c); anywhere else ggml's own mul_mat_id, which every
+// backend has: a CPU kernel must never be handed weights that live in another device's memory.
+static struct ggml_tensor *expert_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
+                                         struct ggml_tensor *ids, bool fast) {
+    return fast ? dg_build_expert_matmul(ctx, w, x, ids) : ggml_mul_mat_id(ctx, w, x, ids);
+}
+
 // Router on the raw residual, experts on pre_feedforward_layernorm_2(a) (docs/model.md#mlp-and-moe-routing). a: [H, T]
 static struct ggml_tensor *build_moe(struct ggml_context *ctx, const dg_model *m, int il, struct ggml_tensor *a) {
     const dg_layer *L = &m->layers[il];
     const bool fast = dg_experts_fast(m, il);
-    const int isa = fast ? dg_expert_matmul_isa() : 0;  // 0: ggml's mul_mat_id
     const int64_t H = m->hp.n_embd, E = m->hp.n_expert, K = m->hp.n_expert_used, FFe = m->hp.n_ff_exp;
     const int64_t T = a->ne[1];
 
@@ -96,15 +102,15 @@ static struct ggml_tensor *build_moe(struct ggml_context *ctx, const dg_model *m
     struct ggml_tensor *gate, *up;
     if (L->gate_up_exps) {
         // fused [H, 2·FFe, E]: output rows [0, FFe) are gate, [FFe, 2·FFe) are up
-        struct ggml_tensor *gu = dg_build_expert_matmul_isa(ctx, L->gate_up_exps, xe, idx, isa);  // [2·FFe, K, T]
+        struct ggml_tensor *gu = expert_matmul(ctx, L->gate_up_exps, xe, idx, fast);  // [2·FFe, K, T]
         gate = ggml_view_3d(ctx, gu, FFe, K, T, gu->nb[1], gu->nb[2], 0);
         up = ggml_view_3d(ctx, gu, FFe, K, T, gu->nb[1], gu->nb[2], FFe * ggml_element_size(gu));
     } else {
-        gate = dg_build_expert_matmul_isa(ctx, L->gate_exps, xe, idx, isa);
-        up = dg_build_expert_matmul_isa(ctx, L->up_exps, xe, idx, isa);
+        gate = expert_matmul(ctx, L->gate_exps, xe, idx, fast);
+        up = expert_matmul(ctx, L->up_exps, xe, idx, fast);
     }
     struct ggml_tensor *act = gelu_mul(ctx, gate, up, fast);                                // [FFe, K, T]
-    struct ggml_tensor *y = dg_build_expert_matmul_isa(ctx, L->down_exps, act, idx, isa);  // [H, K, T]
+    struct ggml_tensor *y = expert_matmul(ctx, L->down_exps, act, idx, fast);            // [H, K, T]
     y = ggml_mul(ctx, y, w);
 
     struct ggml_tensor *out = ggml_view_2d(ctx, y, H, T, y->nb[2], 0);
