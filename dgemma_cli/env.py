@@ -193,7 +193,14 @@ CLIENT = (NOHISTORY, REGISTRY_MIRRORS, REGISTRY_ALLOW, PULL_PART_SIZE, PULL_STRE
 # Read by the C engine itself (getenv), listed here so the table is complete.
 PROFILE_NODES = Var("DGEMMA_PROFILE_NODES", "any", None, "unset",
                     "the engine prints one line per graph node (bench notes)")
-ENGINE = (PROFILE_NODES,)
+STANDARD_OPS = Var("DGEMMA_STANDARD_OPS", "boolean", False, "unset",
+                   "the standard-op graph (what accelerators run) on the CPU too, without the fast custom ops (tests)",
+                   parse_bool)
+# Read by the engine's Python side (dgemma_engine.devices) when it loads a model; `dgemma serve --rpc` sets it.
+RPC = Var("DGEMMA_RPC", "list", (), "",
+          "ggml RPC servers (`host:port`, comma-separated) whose devices take layers like GPUs; unauthenticated: "
+          "loopback or a private network only", _comma_list)
+ENGINE = (PROFILE_NODES, STANDARD_OPS, RPC)
 
 ALL = SERVER + CLIENT + ENGINE
 
