@@ -111,6 +111,6 @@ if grep -E '"POST /(api/(chat|generate)|v1/[a-z/]+) HTTP/1.1" [45][0-9]{2}' "$WO
 fi
 grep -E "truncating the prompt|ignoring the [0-9]+ tool" "$WORK/dgemma.log" | cut -c1-200 || true
 say "Open WebUI errors about tasks (title, tags, follow-ups), if any"
-grep -iE "error|exception" "$WORK/webui.log" | grep -iE "task|title|tag|follow" | head -n 20 || true
+grep -E "\| (ERROR|WARNING) " "$WORK/webui.log" | grep -iE "task|title|tags|follow" | head -n 20 || true
 [ "$status" -eq 0 ] && say "OK" || say "FAILED (see above and $OUT)"
 exit "$status"

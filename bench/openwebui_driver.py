@@ -38,6 +38,11 @@ class ChatResult:
     screenshots: list[str] = field(default_factory=list)
 
     @property
+    def title_generated(self) -> bool:
+        """The title came from the model (Open WebUI falls back to the prompt when the answer is not usable JSON)."""
+        return self.title not in ("", DEFAULT_TITLE, self.prompt)
+
+    @property
     def ok(self) -> bool:
         return bool(self.answer) and not self.error and self.title not in ("", DEFAULT_TITLE)
 
@@ -144,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(failed)
         browser.close()
     for result in results:
-        print(json.dumps({"ok": result.ok, **asdict(result)}, ensure_ascii=False))
+        print(json.dumps({"ok": result.ok, "title_generated": result.title_generated, **asdict(result)},
+                         ensure_ascii=False))
     (args.out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=2, ensure_ascii=False))
     return 0 if all(r.ok for r in results) else 1
 
