@@ -97,6 +97,7 @@ def _engine() -> ctypes.CDLL:
         "dg_model_warnings": (C, [P]),
         "dg_model_file_size": (S, [P]),
         "dg_hparams_size": (S, []),
+        "dg_model_check": (I, [C, C, S]),
         "dg_context_new": (P, [P, I, I, C, S]),
         "dg_context_free": (None, [P]),
         "dg_context_n_past": (I, [P]),
@@ -214,6 +215,15 @@ class Model(_Closeable):
         if not handle:
             raise EngineError(f"cannot load {name or path.name}: {_error(err)}")
         return cls(handle, path, threads)
+
+    @staticmethod
+    def check(path: str | os.PathLike) -> None:
+        """Make every check `load` makes on the file (header, metadata, each tensor's name, type and shape) without
+        allocating the weights. Raises EngineError with the reason a load would fail, the path left out of it."""
+        path = Path(path)
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        if not _engine().dg_model_check(os.fsencode(path), err, _ERR_LEN):
+            raise EngineError(_error(err).replace(f"'{path}'", "the file").replace(str(path), "the file"))
 
     @functools.cached_property
     def metadata(self) -> dict:

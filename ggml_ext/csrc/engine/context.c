@@ -312,8 +312,10 @@ static void free_step_graphs(dg_context *c) {
     c->steps_n_rows = -1;
 }
 
-// P·E for probabilities p [V, n], slice by slice of the vocabulary (see make_transposed_embedding): [H, n]
+// P·E for probabilities p [V, n]: [H, n]. F32 files: slice by slice of the transposed copy (see
+// make_transposed_embedding); any other type: the soft-embedding op on the stored embedding, one slice per thread.
 static struct ggml_tensor *soft_embedding(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *p) {
+    if (!m->embd_t) return dg_build_soft_embedding(ctx, m->tok_embd, p, m->n_threads, dg_soft_embedding_isa());
     const int64_t V = m->hp.n_vocab, H = m->hp.n_embd, n = p->ne[1], KC = m->sc_chunk, NCH = m->sc_chunks;
     if (KC * NCH != V) p = ggml_pad(ctx, p, (int)(KC * NCH - V), 0, 0, 0);  // zero probabilities for padding rows
     p = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_3d(ctx, p, KC, NCH, n), 0, 2, 1, 3));  // [KC, n, NCH]
@@ -376,7 +378,13 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
 // exported API
 
 DG_API dg_model *dg_model_load(const char *path, int n_threads, char *err, size_t err_len) {
-    return dg_model_load_impl(path, n_threads, err, err_len);
+    return dg_model_load_impl(path, n_threads, false, err, err_len);
+}
+
+DG_API int dg_model_check(const char *path, char *err, size_t err_len) {
+    dg_model *m = dg_model_load_impl(path, 1, true, err, err_len);
+    dg_model_free_impl(m);
+    return m != NULL;
 }
 
 DG_API void dg_model_free(dg_model *m) { dg_model_free_impl(m); }

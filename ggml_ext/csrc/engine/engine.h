@@ -73,7 +73,7 @@ typedef struct dg_model {
     struct ggml_tensor *tok_embd, *embd_t, *output, *output_norm, *rope_freqs;
     struct ggml_tensor *sc_pre_norm, *sc_gate, *sc_up, *sc_down;
     dg_layer *layers;
-    int64_t sc_chunk;   // embd_t is split along the vocabulary into sc_chunks slices of sc_chunk rows (see model.c)
+    int64_t sc_chunk;   // F32 files only (else embd_t is NULL): embd_t is split along the vocabulary into sc_chunks slices of sc_chunk rows (see model.c)
     int64_t sc_chunks;
     float embd_scale;  // sqrt(H) in fp32 (the fixtures are fp32 transformers runs)
     int n_threads;
@@ -121,7 +121,8 @@ typedef struct dg_context {
 } dg_context;
 
 // model.c
-dg_model *dg_model_load_impl(const char *path, int n_threads, char *err, size_t err_len);
+// check_only: parse and bind every tensor as a load does, but allocate nothing (what `create` runs on a file).
+dg_model *dg_model_load_impl(const char *path, int n_threads, bool check_only, char *err, size_t err_len);
 void dg_model_free_impl(dg_model *m);
 
 // gguf_check.c: validate the raw bytes of a GGUF before ggml parses it.
@@ -145,5 +146,13 @@ struct ggml_tensor *dg_build_expert_matmul(struct ggml_context *ctx, struct ggml
 struct ggml_tensor *dg_build_expert_matmul_isa(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
                                                struct ggml_tensor *ids, int isa);
 int dg_expert_matmul_isa(void);
+
+// soft_embedding.c: P [V, n] · E for an embedding E [H, V] of any dequantizable type, in E's stored layout:
+// [H, n]. `slices` vocabulary ranges are summed separately (one per thread); isa 0 portable, 1 AVX2 + FMA.
+struct ggml_tensor *dg_build_soft_embedding(struct ggml_context *ctx, struct ggml_tensor *embd, struct ggml_tensor *p,
+                                            int slices, int isa);
+int dg_soft_embedding_isa(void);
+// its row dequantizer for `type` (NULL for F32: a copy); bit-identical to ggml's to_float
+ggml_to_float_t dg_row_dequantizer(enum ggml_type type, bool avx2);
 
 void dg_set_err(char *err, size_t err_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

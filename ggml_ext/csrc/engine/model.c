@@ -402,9 +402,9 @@ static bool bind_tensors(loader *ld) {
     return true;
 }
 
-// Self-conditioning contracts soft probabilities [V] with the embedding, so it needs E with V as the contiguous
-// dimension. F32 files get an exact F32 copy; any other type gets F16 (half the memory of F32; the probabilities
-// are then rounded to F16 by ggml's matmul, well within quantisation noise).
+// Self-conditioning contracts soft probabilities [V] with the embedding, so ggml's matmul needs E with V as the
+// contiguous dimension. F32 files get an exact F32 copy (what the fidelity goldens were recorded with); every other
+// type is read where it lies by the soft-embedding op (soft_embedding.c), so it costs no memory.
 // ggml's F32 GEMM has no blocking along the contraction and slows down ~3x at V = 32768, so the copy is split into
 // sc_chunks slices of sc_chunk vocabulary rows, ne [sc_chunk, H, sc_chunks] (zero rows pad the last slice); the
 // step multiplies slice by slice and sums. At most SC_MAX_CHUNKS slices bound the partial sums' memory.
@@ -413,8 +413,7 @@ enum { SC_MIN_CHUNK = 2048, SC_MAX_CHUNKS = 32 };
 static bool make_transposed_embedding(loader *ld) {
     dg_model *m = ld->m;
     const int64_t V = m->hp.n_vocab, H = m->hp.n_embd;
-    const enum ggml_type src_type = m->tok_embd->type;
-    const enum ggml_type dst_type = src_type == GGML_TYPE_F32 ? GGML_TYPE_F32 : GGML_TYPE_F16;
+    const enum ggml_type src_type = m->tok_embd->type, dst_type = GGML_TYPE_F32;
     int64_t target = (V + SC_MAX_CHUNKS - 1) / SC_MAX_CHUNKS;
     if (target < SC_MIN_CHUNK) target = SC_MIN_CHUNK;
     m->sc_chunks = (V + target - 1) / target;
@@ -435,7 +434,7 @@ static bool make_transposed_embedding(loader *ld) {
                    ggml_nbytes(m->embd_t) / 1048576.0);
         return false;
     }
-    const ggml_to_float_t to_float = ggml_get_type_traits(src_type)->to_float;
+    GGML_ASSERT(src_type == GGML_TYPE_F32);
     const size_t row_bytes = m->tok_embd->nb[1];
     enum { BLOCK = 64 };
     float *tmp = malloc(sizeof(float) * BLOCK * (size_t)H);
@@ -448,27 +447,20 @@ static bool make_transposed_embedding(loader *ld) {
     for (int64_t v0 = 0; v0 < V; v0 += BLOCK) {
         const int64_t nb = V - v0 < BLOCK ? V - v0 : BLOCK;
         for (int64_t r = 0; r < nb; r++) {
-            const void *row = src + (size_t)(v0 + r) * row_bytes;
-            if (src_type == GGML_TYPE_F32) memcpy(tmp + r * H, row, sizeof(float) * (size_t)H);
-            else to_float(row, tmp + r * H, H);
+            memcpy(tmp + r * H, src + (size_t)(v0 + r) * row_bytes, sizeof(float) * (size_t)H);
         }
         for (int64_t r = 0; r < nb; r++) {
             const int64_t v = v0 + r, chunk = v / KC, row = v % KC;
             const size_t base = (size_t)chunk * (size_t)(H * KC) + (size_t)row;  // element (row, h, chunk) at base + h·KC
-            if (dst_type == GGML_TYPE_F32) {
-                float *dst = (float *)m->embd_t->data + base;
-                for (int64_t h = 0; h < H; h++) dst[h * KC] = tmp[r * H + h];
-            } else {
-                ggml_fp16_t *dst = (ggml_fp16_t *)m->embd_t->data + base;
-                for (int64_t h = 0; h < H; h++) dst[h * KC] = ggml_fp32_to_fp16(tmp[r * H + h]);
-            }
+            float *dst = (float *)m->embd_t->data + base;
+            for (int64_t h = 0; h < H; h++) dst[h * KC] = tmp[r * H + h];
         }
     }
     free(tmp);
     return true;
 }
 
-dg_model *dg_model_load_impl(const char *path, int n_threads, char *err, size_t err_len) {
+dg_model *dg_model_load_impl(const char *path, int n_threads, bool check_only, char *err, size_t err_len) {
     if (err && err_len) err[0] = 0;
     dg_model *m = calloc(1, sizeof(dg_model));
     if (!m) {
@@ -511,6 +503,7 @@ dg_model *dg_model_load_impl(const char *path, int n_threads, char *err, size_t 
         goto fail;
     }
     if (!read_hparams(&ld) || !bind_tensors(&ld)) goto fail;
+    if (check_only) return m;  // every check a load makes is done; what follows allocates and cannot fail on the file
 
     // point every file tensor at its bytes inside the mapping (no copy: RSS grows only with pages touched)
     m->buf_file = ggml_backend_cpu_buffer_from_ptr(m->map, m->map_size);
@@ -528,7 +521,7 @@ dg_model *dg_model_load_impl(const char *path, int n_threads, char *err, size_t 
         }
         ggml_backend_tensor_alloc(m->buf_file, t, (char *)m->map + off);
     }
-    if (m->hp.has_self_cond && !make_transposed_embedding(&ld)) goto fail;
+    if (m->hp.has_self_cond && m->tok_embd->type == GGML_TYPE_F32 && !make_transposed_embedding(&ld)) goto fail;
     m->embd_scale = sqrtf((float)m->hp.n_embd);
     return m;
 fail:
