@@ -44,6 +44,8 @@ def generate(
     confidence_threshold: Optional[float] = typer.Option(None, "--confidence-threshold"),
     stability_threshold: Optional[int] = typer.Option(None, "--stability-threshold"),
     threads: Optional[int] = typer.Option(None, "--threads"),
+    num_gpu: Optional[int] = typer.Option(None, "--num-gpu", help="layers on accelerators / RPC devices (-ngl)"),
+    num_cpu_moe: int = typer.Option(0, "--num-cpu-moe", help="first N layers keep their experts on the CPU"),
 ) -> None:
     """Print JSON {"sequence": [...], "steps_per_canvas": [...]} for one generation."""
     from dgemma_engine.debug import debug_generate
@@ -51,5 +53,5 @@ def generate(
     debug_generate(
         model, parse_ids(prompt_ids), seed=seed, rng=rng, max_new_tokens=max_new_tokens, steps=steps, t_max=t_max,
         t_min=t_min, entropy_bound=entropy_bound, confidence_threshold=confidence_threshold,
-        stability_threshold=stability_threshold, threads=threads,
+        stability_threshold=stability_threshold, threads=threads, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe,
     )

@@ -3,6 +3,7 @@ import errno
 import logging
 import socket
 import sys
+from typing import Optional
 
 import typer
 
@@ -41,7 +42,30 @@ def startup_warnings(config) -> list[str]:
     return warnings
 
 
-def serve() -> None:
+def use_rpc_servers(rpc: str | None, log: logging.Logger) -> None:
+    """`--rpc host:port,...` (else DGEMMA_RPC): the ggml RPC servers the engine adds when it loads a model."""
+    import os
+
+    from dgemma_engine.devices import RPC_ENV, is_loopback_or_private, parse_endpoints
+    from dgemma_engine.errors import EngineError
+
+    text = rpc if rpc is not None else os.environ.get(RPC_ENV, "")
+    try:
+        endpoints = parse_endpoints(text)
+    except EngineError as exc:
+        raise DgemmaError(str(exc)) from None
+    os.environ[RPC_ENV] = ",".join(endpoints)
+    for endpoint in endpoints:
+        log.info("RPC server %s: its devices take layers like GPUs (docs/engine.md#rpc)", endpoint)
+        if not is_loopback_or_private(endpoint):
+            log.warning("WARNING: RPC server %s is not on loopback or a private network: ggml RPC is unauthenticated "
+                        "and unencrypted", endpoint)
+
+
+def serve(
+    rpc: Optional[str] = typer.Option(None, "--rpc", help="ggml RPC servers host:port,... (DGEMMA_RPC); "
+                                      "unauthenticated: loopback or a private network only"),
+) -> None:
     """Start the REST server (Ollama and OpenAI compatible). Configure it with DGEMMA_* environment variables."""
     import uvicorn
 
@@ -56,6 +80,7 @@ def serve() -> None:
         log.info("config %s", line)
     for warning in startup_warnings(config):
         log.warning(warning)
+    use_rpc_servers(rpc, log)
     # Generation runs in worker threads; a shorter GIL switch interval lets the event loop answer health, tags and
     # show requests promptly while Python code of the generation loop runs (the default 5 ms adds up under load).
     sys.setswitchinterval(0.001)

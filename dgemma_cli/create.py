@@ -122,12 +122,22 @@ def validated_gguf(path: Path) -> GGUFInfo:
         raise CreateError(f"model file cannot be run: {exc}") from None
     if "tokenizer.ggml.model" in info.metadata:
         _check_tokenizer(path)
-    if not any(t.name == "token_embd.weight" for t in info.tensors):  # the engine's first binding (a damaged file)
-        raise CreateError("model file cannot be run: GGUF is missing tensor 'token_embd.weight'")
+    _check_loadable(path)
     template = info.metadata.get("tokenizer.chat_template")
     if isinstance(template, str) and template:
         check_jinja_template(template)  # the file's own template is what chats render with
     return info
+
+
+def _check_loadable(path: Path) -> None:
+    """Bind every tensor as the engine's load does (no weights allocated): what passes here loads at run time."""
+    from dgemma_engine.errors import EngineError
+    from dgemma_engine.model import Model
+
+    try:
+        Model.check(path)
+    except EngineError as exc:
+        raise CreateError(f"model file cannot be run: {exc}") from None
 
 
 def _check_tokenizer(path: Path) -> None:

@@ -196,7 +196,14 @@ PROFILE_NODES = Var("DGEMMA_PROFILE_NODES", "any", None, "unset",
 QKERNELS = Var("DGEMMA_QKERNELS", "`auto`, `avx2`, `scalar`, `off`", None, "auto",
                "quantized weight products: the engine's integer kernels on that path, or ggml's own ops (`off`); "
                "a path this CPU lacks means ggml's ops")
-ENGINE = (PROFILE_NODES, QKERNELS)
+STANDARD_OPS = Var("DGEMMA_STANDARD_OPS", "boolean", False, "unset",
+                   "the standard-op graph (what accelerators run) on the CPU too, without the fast custom ops (tests)",
+                   parse_bool)
+# Read by the engine's Python side (dgemma_engine.devices) when it loads a model; `dgemma serve --rpc` sets it.
+RPC = Var("DGEMMA_RPC", "list", (), "",
+          "ggml RPC servers (`host:port`, comma-separated) whose devices take layers like GPUs; unauthenticated: "
+          "loopback or a private network only", _comma_list)
+ENGINE = (PROFILE_NODES, STANDARD_OPS, RPC, QKERNELS)
 
 ALL = SERVER + CLIENT + ENGINE
 

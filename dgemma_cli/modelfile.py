@@ -31,7 +31,7 @@ ERR_ROLE = 'message role must be one of "system", "user", or "assistant"'
 # is the only list.
 INT_PARAMS = {
     "num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_predict", "seed", "top_k", "repeat_last_n",
-    "num_keep", "draft_num_predict",
+    "num_keep", "draft_num_predict", "num_cpu_moe",
 }
 FLOAT_PARAMS = {
     "temperature", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty", "frequency_penalty",

@@ -97,6 +97,7 @@ def _engine() -> ctypes.CDLL:
         "dg_model_warnings": (C, [P]),
         "dg_model_file_size": (S, [P]),
         "dg_hparams_size": (S, []),
+        "dg_model_check": (I, [C, C, S]),
         "dg_context_new": (P, [P, I, I, C, S]),
         "dg_context_free": (None, [P]),
         "dg_context_n_past": (I, [P]),
@@ -107,6 +108,12 @@ def _engine() -> ctypes.CDLL:
         "dg_context_logits": (P, [P]),
         "dg_context_logits_rows": (I, [P]),
         "dg_context_soft_embedding": (I, [P, P, I, P, C, S]),
+        # devices.c: per-layer placement (the registry and RPC servers: dgemma_engine.devices)
+        "dg_model_offload": (I, [P, I, I, C, S]),
+        "dg_model_unit_device": (I, [P, I, I]),
+        "dg_model_n_devices": (I, [P]),
+        "dg_model_device_name": (C, [P, I]),
+        "dg_model_device_weight_bytes": (S, [P, I]),
         # ggml's GGUF reader (resolved through the engine's dependency on libggml-base)
         "gguf_get_n_kv": (ctypes.c_int64, [P]),
         "gguf_get_key": (C, [P, ctypes.c_int64]),
@@ -187,6 +194,48 @@ class _Closeable:
             pass
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a loaded model's weights went (docs/engine.md#devices). Device 0 is the CPU."""
+
+    devices: tuple[str, ...]          # ggml device names, "CPU" first
+    layer_device: tuple[int, ...]     # per layer
+    expert_device: tuple[int, ...]    # per layer: its routed experts
+    output_device: int                # final norm, LM head, logits, self-conditioning
+    device_bytes: tuple[int, ...]     # weights copied to each device ([0]: 0, the CPU reads the mapped file)
+
+    @property
+    def offloaded_layers(self) -> int:
+        """Units on an accelerator, counted like llama.cpp's -ngl (the output is one)."""
+        return sum(d != 0 for d in self.layer_device) + (self.output_device != 0)
+
+    def describe(self) -> str:
+        """One line per device for the startup log: which layers (and experts) went where."""
+        lines = []
+        for d, name in enumerate(self.devices):
+            layers = [i for i, x in enumerate(self.layer_device) if x == d]
+            experts = [i for i, x in enumerate(self.expert_device) if x == d and self.layer_device[i] != d]
+            parts = [f"layers {_ranges(layers)}" if layers else "no layers"]
+            if experts:
+                parts.append(f"experts of layers {_ranges(experts)}")
+            if self.output_device == d:
+                parts.append("output")
+            lines.append(f"{name}: {', '.join(parts)}" + (f" ({self.device_bytes[d] / 2**20:.1f} MiB)" if d else ""))
+        return "; ".join(lines)
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    out, start = [], None
+    for i, x in enumerate(ids):
+        if start is None:
+            start = x
+        if i + 1 == len(ids) or ids[i + 1] != x + 1:
+            out.append(f"{start}-{x}" if x != start else f"{x}")
+            start = None
+    return ",".join(out)
+
+
 class Model(_Closeable):
     """A memory-mapped DiffusionGemma GGUF. Use `Model.load`."""
 
@@ -203,17 +252,53 @@ class Model(_Closeable):
             log.warning("%s: %s", path.name, w)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, threads: int | None = None, name: str | None = None) -> Model:
-        """`name`: what errors call the model (a stored model's name rather than its `sha256-…` blob file)."""
+    def load(cls, path: str | os.PathLike, threads: int | None = None, name: str | None = None,
+             num_gpu: int | None = None, num_cpu_moe: int = 0) -> Model:
+        """`name`: what errors call the model (a stored model's name rather than its `sha256-…` blob file).
+        `num_gpu`: layers on the accelerators, llama.cpp's -ngl (None or < 0: as many as fit; 0: CPU only);
+        `num_cpu_moe`: the first N layers keep their routed experts on the CPU (docs/engine.md#devices). The RPC
+        servers of DGEMMA_RPC are added first."""
+        from dgemma_engine import devices
+
         path = Path(path)
         threads = _default_threads(threads)
         if not path.is_file():
             raise EngineError(f"model file not found: {name or path}")
+        devices.add_rpc_servers_from_env()
         err = ctypes.create_string_buffer(_ERR_LEN)
         handle = _engine().dg_model_load(os.fsencode(path), threads, err, _ERR_LEN)
         if not handle:
             raise EngineError(f"cannot load {name or path.name}: {_error(err)}")
-        return cls(handle, path, threads)
+        ngl = -1 if num_gpu is None or num_gpu < 0 else int(num_gpu)
+        if _engine().dg_model_offload(handle, ngl, int(num_cpu_moe), err, _ERR_LEN) != 0:
+            _engine().dg_model_free(handle)
+            raise EngineError(f"cannot load {name or path.name}: {_error(err)}")
+        model = cls(handle, path, threads)
+        if len(model.placement.devices) > 1:
+            log.info("%s: %s", name or path.name, model.placement.describe())
+        return model
+
+    @functools.cached_property
+    def placement(self) -> Placement:
+        lib, h = _engine(), self._require()
+        n_layer = self.hparams.n_layer
+        n_dev = lib.dg_model_n_devices(h)
+        return Placement(
+            devices=tuple(lib.dg_model_device_name(h, d).decode() for d in range(n_dev)),
+            layer_device=tuple(lib.dg_model_unit_device(h, i, 0) for i in range(n_layer)),
+            expert_device=tuple(lib.dg_model_unit_device(h, i, 1) for i in range(n_layer)),
+            output_device=lib.dg_model_unit_device(h, n_layer, 0),
+            device_bytes=tuple(lib.dg_model_device_weight_bytes(h, d) for d in range(n_dev)),
+        )
+
+    @staticmethod
+    def check(path: str | os.PathLike) -> None:
+        """Make every check `load` makes on the file (header, metadata, each tensor's name, type and shape) without
+        allocating the weights. Raises EngineError with the reason a load would fail, the path left out of it."""
+        path = Path(path)
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        if not _engine().dg_model_check(os.fsencode(path), err, _ERR_LEN):
+            raise EngineError(_error(err).replace(f"'{path}'", "the file").replace(str(path), "the file"))
 
     @functools.cached_property
     def metadata(self) -> dict:

@@ -278,20 +278,10 @@ def is_safe(path: str, body: Any) -> bool:
 
 # ---- GGUF mutants --------------------------------------------------------------------------------------------------
 
-def tensor_info_start(path: Path) -> int:
-    """Where the tensor descriptions begin (the first tensor name's length prefix): byte damage before it only
-    hits metadata."""
-    from gguf_mutator import read
-
-    data = path.read_bytes()
-    _, tensors = read(path)
-    return min(data.find(t.name.encode(), 24) for t in tensors) - 8
-
-
-def corrupt(rng: random.Random, data: bytes, end: int) -> bytes:
-    """Random byte-level damage of a valid GGUF before offset `end`: flips, a truncation, or a huge count."""
+def corrupt(rng: random.Random, data: bytes) -> bytes:
+    """Random byte-level damage of a valid GGUF: flips, a truncation, or a huge count."""
     out = bytearray(data)
-    end = min(end, len(out))
+    end = len(out)
     kind = rng.randrange(4)
     if kind == 0:
         for _ in range(rng.randrange(1, 8)):
@@ -333,7 +323,6 @@ class Fuzzer:
         self.report = report
         self.client = httpx.Client(base_url=server.url, timeout=deadline)
         self.accepted: set[str] = set()  # models create answered 200 for (checked at the end)
-        self.damage_end = 1 << 62  # how far into a GGUF random byte damage may go
 
     def send(self, method: str, path: str, content: bytes | None, label: str) -> httpx.Response | None:
         report = self.report
@@ -377,7 +366,7 @@ class Fuzzer:
             data = mutate(fixture, scratch / "mutant.gguf", names[index]).read_bytes()
         else:
             label = f"gguf corruption #{index}"
-            data = corrupt(rng, fixture.read_bytes(), self.damage_end)
+            data = corrupt(rng, fixture.read_bytes())
         digest = self.upload(data, label)
         if digest is None:
             return
@@ -410,11 +399,8 @@ def convert_fixture(out: Path) -> Path:
 
 
 def run(cases: int, seed: int = 1, gguf: Path | None = None, time_budget: float = 900.0, deadline: float = 60.0,
-        gguf_share: float = 0.08, tensor_damage: bool = True, workdir: Path | None = None) -> FuzzReport:
-    """Fuzz a fresh `dgemma serve` with `cases` mutated requests (about `gguf_share` of them GGUF uploads).
-
-    `tensor_damage=False` keeps random GGUF damage inside the metadata: create does not check tensor descriptions
-    (names, shapes) against what the engine binds, so a damaged tensor name is accepted and then cannot load."""
+        gguf_share: float = 0.08, workdir: Path | None = None) -> FuzzReport:
+    """Fuzz a fresh `dgemma serve` with `cases` mutated requests (about `gguf_share` of them GGUF uploads)."""
     rng = random.Random(seed)
     hostile = Hostile(rng)
     report = FuzzReport()
@@ -424,8 +410,6 @@ def run(cases: int, seed: int = 1, gguf: Path | None = None, time_budget: float 
         started = time.monotonic()
         with ServeProcess(work / "models", SERVER_ENV | _offline_registry()) as server:
             fuzzer = Fuzzer(server, report, deadline)
-            if not tensor_damage:
-                fuzzer.damage_end = tensor_info_start(gguf)
             base_digest = fuzzer.upload(gguf.read_bytes(), "fixture")
             create = {"model": BASE_MODEL, "files": {"tiny-a.gguf": base_digest}, "stream": False}
             assert fuzzer.send("POST", "/api/create", encode(create), "base create").status_code == 200
@@ -480,11 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--time-budget", type=float, default=900.0, help="seconds; the run stops after this")
     parser.add_argument("--deadline", type=float, default=60.0, help="seconds one request may take")
-    parser.add_argument("--metadata-damage-only", action="store_true",
-                        help="random GGUF damage spares the tensor descriptions (see run())")
     args = parser.parse_args(argv)
-    report = run(args.cases, args.seed, time_budget=args.time_budget, deadline=args.deadline,
-                 tensor_damage=not args.metadata_damage_only)
+    report = run(args.cases, args.seed, time_budget=args.time_budget, deadline=args.deadline)
     print(report.summary())
     for failure in report.failures[:50]:
         print("FAIL", failure)

@@ -136,26 +136,11 @@ def fake_factory(behaviour: FakeBehaviour):
 # ---- models in a tmp store ------------------------------------------------------------------------------------------
 
 def write_small_gguf(path: Path, arch: str = "diffusion-gemma", chat_template: str | None = None) -> Path:
-    """A well-formed GGUF with a few keys and one tensor (enough for store checks and `/api/show`)."""
-    import gguf
-    import numpy as np
+    """A loadable tiny GGUF (store checks, `/api/show`, `create`): canvas 8, context 4096, 12 steps."""
+    from store_helpers import write_tiny_gguf
 
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
-    writer.add_context_length(4096)
-    writer.add_embedding_length(8)
-    writer.add_file_type(0)
-    writer.add_uint32("diffusion.canvas_length", 8)
-    writer.add_uint32("diffusion.eb_max_steps", 12)
-    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(16)])
-    if chat_template:
-        writer.add_chat_template(chat_template)
-    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_tiny_gguf(path, arch, canvas_length=8, chat_template=chat_template, context_length=4096,
+                           eb_max_steps=12)
 
 
 def add_model(store, name: str, gguf: Path, parameters: dict | None = None, system: str | None = None,

@@ -10,23 +10,64 @@ import numpy as np
 
 
 def write_tiny_gguf(path: Path, arch: str = "diffusion-gemma", file_type: int = 0, canvas_length: int | None = 16,
-                    dtype=np.float32, chat_template: str | None = None) -> Path:
-    """A small but well-formed GGUF: a few metadata keys and two tensors (element count 16*8 + 8 = 136)."""
+                    dtype=np.float32, chat_template: str | None = None, context_length: int = 64,
+                    eb_max_steps: int = 48) -> Path:
+    """The smallest GGUF the engine loads: one sliding-window layer, H 8, two experts, a 16-token vocabulary,
+    self-conditioning.
+
+    Every tensor the engine binds is present with its shape, so `create`'s load check accepts it and a run can use it
+    (weights are small deterministic values; the output is meaningless). `dtype` is the token embedding's type."""
+    H, FF, FFE, E, HD, V = 8, 8, 8, 2, 4, 16
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(8)
+    w.add_context_length(context_length)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(FF)
+    w.add_uint32(f"{arch}.expert_feed_forward_length", FFE)
+    w.add_expert_count(E)
+    w.add_expert_used_count(1)
+    w.add_head_count(1)
+    w.add_head_count_kv(1)
+    w.add_key_length(HD)
+    w.add_uint32(f"{arch}.attention.key_length_swa", HD)
+    w.add_sliding_window(8)
+    w.add_array(f"{arch}.attention.sliding_window_pattern", [True])
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_float32(f"{arch}.rope.freq_base_swa", 10000.0)
     w.add_file_type(file_type)
     if canvas_length is not None:
         w.add_uint32("diffusion.canvas_length", canvas_length)
-    w.add_uint32("diffusion.eb_max_steps", 48)
+    w.add_uint32("diffusion.eb_max_steps", eb_max_steps)
     w.add_float32("diffusion.eb_t_max", 0.8)
     w.add_float32("diffusion.eb_t_min", 0.4)
-    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(16)])
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(V)])
     if chat_template is not None:
         w.add_chat_template(chat_template)
-    w.add_tensor("token_embd.weight", np.arange(16 * 8, dtype=dtype).reshape(16, 8))
-    w.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    rng = np.random.default_rng(0)
+
+    def matrix(*shape):
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+
+    ones = np.ones(H, dtype=np.float32)
+    w.add_tensor("token_embd.weight", np.arange(V * H, dtype=dtype).reshape(V, H))
+    w.add_tensor("output_norm.weight", ones)
+    w.add_tensor("self_cond_pre_norm.weight", ones)
+    for name, shape in (("gate", (FF, H)), ("up", (FF, H)), ("down", (H, FF))):
+        w.add_tensor(f"self_cond_{name}.weight", matrix(*shape))
+    tensors = {
+        "attn_norm.weight": ones, "attn_q.weight": matrix(HD, H), "attn_q_norm.weight": np.ones(HD, np.float32),
+        "attn_k.weight": matrix(HD, H), "attn_k_norm.weight": np.ones(HD, np.float32), "attn_v.weight": matrix(HD, H),
+        "attn_output.weight": matrix(H, HD), "post_attention_norm.weight": ones, "ffn_norm.weight": ones,
+        "ffn_gate.weight": matrix(FF, H), "ffn_up.weight": matrix(FF, H), "ffn_down.weight": matrix(H, FF),
+        "post_ffw_norm_1.weight": ones, "ffn_gate_inp.weight": matrix(E, H), "ffn_gate_inp.scale": ones,
+        "pre_ffw_norm_2.weight": ones, "ffn_gate_up_exps.weight": matrix(E, 2 * FFE, H),
+        "ffn_down_exps.weight": matrix(E, H, FFE), "ffn_down_exps.scale": np.ones(E, np.float32),
+        "post_ffw_norm_2.weight": ones, "post_ffw_norm.weight": ones,
+        "layer_output_scale.weight": np.ones(1, np.float32), "enc_layer_output_scale.weight": np.ones(1, np.float32),
+    }
+    for name, value in tensors.items():
+        w.add_tensor(f"blk.0.{name}", value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,6 +1,7 @@
-"""The self-conditioning soft embedding P·E, computed slice by slice over the vocabulary (the engine's transposed,
-sliced copy of token_embd), equals numpy's P @ E read straight from the GGUF — for vocabularies that split into
-several slices, with and without padding rows, in F32 (exact copy) and F16 (the copy made for non-F32 files)."""
+"""The self-conditioning soft embedding P·E equals numpy's P @ E read straight from the GGUF, for vocabularies that
+split into several slices, with and without padding rows: F32 files through their exact transposed, sliced copy;
+F16 and quantized files through the soft-embedding op on the stored embedding (F32 arithmetic, so as exact), and,
+in the standard-op graph (an accelerator's), through the F16 transposed copy made for them there."""
 from __future__ import annotations
 
 import sys
@@ -36,13 +37,21 @@ def synthetic_gguf(tmp_path_factory):
 def embedding_from_file(path: Path) -> np.ndarray:
     from gguf import GGUFReader
 
+    from gguf.quants import dequantize
+
     t = next(t for t in GGUFReader(str(path)).tensors if t.name == "token_embd.weight")
-    return np.asarray(t.data, dtype=np.float32).reshape(int(t.shape[1]), int(t.shape[0]))  # [V, H]
+    return dequantize(t.data, t.tensor_type).astype(np.float32).reshape(int(t.shape[1]), int(t.shape[0]))  # [V, H]
 
 
 @pytest.mark.parametrize("vocab", [4096, 5000])  # 2 slices of 2048; 3 slices of 1680 with 40 padding rows
-@pytest.mark.parametrize("outtype, rel_tol", [("f32", 1e-5), ("f16", 2e-3)])
-def test_sliced_soft_embedding_matches_numpy(synthetic_gguf, vocab, outtype, rel_tol):
+@pytest.mark.parametrize("outtype, standard_ops, rel_tol", [
+    ("f32", False, 1e-5), ("f32", True, 1e-5),
+    ("f16", False, 1e-5), ("q8_0", False, 1e-5), ("q6_k", False, 1e-5),
+    ("f16", True, 2e-3), ("q8_0", True, 2e-3),
+])
+def test_sliced_soft_embedding_matches_numpy(synthetic_gguf, monkeypatch, vocab, outtype, standard_ops, rel_tol):
+    if standard_ops:
+        monkeypatch.setenv("DGEMMA_STANDARD_OPS", "1")
     path = synthetic_gguf(vocab, outtype)
     E = embedding_from_file(path)
     rng = np.random.default_rng(vocab)

@@ -5,7 +5,7 @@ from fuzz_api import run
 
 def test_small_fuzz_run_finds_nothing(gguf_path, tmp_path):
     report = run(cases=250, seed=14, gguf=gguf_path("tiny-a", "f32"), time_budget=45, deadline=30,
-                 tensor_damage=False, workdir=tmp_path)
+                 workdir=tmp_path)
     print(report.summary())
     assert report.failures == [], "\n".join(report.failures[:20])
     assert report.requests >= 100 and not report.stopped_early

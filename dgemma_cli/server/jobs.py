@@ -109,6 +109,7 @@ class Job:
         self.options = options
         self.keep_alive = keep_alive
         self.num_ctx = svc.num_ctx(model, options)
+        self.local = svc.placed_model(model, options)
         precheck_sampler(options, svc.config.max_steps)  # a bad option is a 400 before any model load
         self.started = time.perf_counter()
 
@@ -116,7 +117,7 @@ class Job:
         """Queue for the model, render the prompt, plan the canvases: every 4xx happens before the first byte.
         `build_prompt(runner, thinking, tools)` gets the request's `tools` when the template can render them."""
         lease = await until_disconnected(
-            request, self.svc.scheduler.acquire(self.model.display, self.model.local, self.num_ctx, self.keep_alive)
+            request, self.svc.scheduler.acquire(self.model.display, self.local, self.num_ctx, self.keep_alive)
         )
         try:
             runner = lease.runner

@@ -81,7 +81,7 @@ async def version(request: Request) -> JSONResponse:
 
 # ---- inference ----------------------------------------------------------------------------------------------------
 
-async def _load_or_unload(svc: Services, model: ResolvedModel, keep_alive: float | None, num_ctx: int, chat: bool, request: Request) -> dict:
+async def _load_or_unload(svc: Services, model: ResolvedModel, keep_alive: float | None, job: Job, chat: bool, request: Request) -> dict:
     """Empty prompt / messages: load only, or unload with `keep_alive: 0`
     (docs/compat.md#load-unload-and-keep_alive)."""
     if keep_alive == 0:
@@ -89,7 +89,7 @@ async def _load_or_unload(svc: Services, model: ResolvedModel, keep_alive: float
         reason = "unload"
     else:
         lease = await until_disconnected(
-            request, svc.scheduler.acquire(model.display, model.local, num_ctx, keep_alive)
+            request, svc.scheduler.acquire(model.display, job.local, job.num_ctx, keep_alive)
         )
         lease.release()
         reason = "load"
@@ -143,7 +143,7 @@ async def generate(req: schemas.GenerateRequest, request: Request):
     keep_alive = _keep_alive(req.keep_alive)
     if not req.prompt:
         job = Job(svc, model, options, keep_alive)
-        return JSONResponse(await _load_or_unload(svc, model, keep_alive, job.num_ctx, chat=False, request=request))
+        return JSONResponse(await _load_or_unload(svc, model, keep_alive, job, chat=False, request=request))
 
     system = req.system if req.system is not None else model.local.system
     check_prompt_size(svc.num_ctx(model, options), [req.prompt, system])
@@ -203,7 +203,7 @@ async def chat(req: schemas.ChatRequest, request: Request):
     keep_alive = _keep_alive(req.keep_alive)
     if not messages:
         job = Job(svc, model, options, keep_alive)
-        return JSONResponse(await _load_or_unload(svc, model, keep_alive, job.num_ctx, chat=True, request=request))
+        return JSONResponse(await _load_or_unload(svc, model, keep_alive, job, chat=True, request=request))
 
     conversation = with_model_messages(model, messages)
     truncate = True if req.truncate is None else req.truncate

@@ -26,6 +26,7 @@ _ARRAY = "array"
 OPTION_TYPES: dict[str, str] = {
     # load-time
     "num_ctx": _INT, "num_batch": _INT, "num_gpu": _INT, "main_gpu": _INT, "num_thread": _INT, "use_mmap": _BOOL,
+    "num_cpu_moe": _INT,
     # generation
     "num_predict": _INT, "seed": _INT, "temperature": _FLOAT, "stop": _ARRAY,
     # accepted and type-checked, then ignored by the diffusion sampler

@@ -112,6 +112,13 @@ def render_prompt(template: ChatTemplate, messages: list[dict], think: bool | No
     return "\n".join(str(m.get("content") or "") for m in messages)  # rule 4: the bare prompt
 
 
+def vram_bytes(placement: Any, size: int) -> int:
+    """`size_vram` of `/api/ps`: the weights on accelerators, all of `size` when every layer and the output are there
+    (the input embedding rows are read on the CPU either way, as in llama.cpp)."""
+    on_devices = all(d != 0 for d in (*placement.layer_device, *placement.expert_device, placement.output_device))
+    return size if on_devices else min(size, sum(placement.device_bytes))
+
+
 class EngineRunner:
     """A loaded model with K/V contexts, a tokenizer and the chat template. Methods block (call them in threads)."""
 
@@ -119,14 +126,20 @@ class EngineRunner:
         from dgemma_engine.model import Model
         from dgemma_engine.tokenizer import Tokenizer
 
+        parameters = getattr(local_model, "parameters", None) or {}
         if threads is None:  # a Modelfile's `PARAMETER num_thread N` (Ollama's meaning); None: the engine's default
-            num_thread = (getattr(local_model, "parameters", None) or {}).get("num_thread")
+            num_thread = parameters.get("num_thread")
             threads = int(num_thread) if isinstance(num_thread, int) and num_thread > 0 else None
         self.threads = threads
         self._lock = threading.Lock()
         self._contexts: list[Any] = []
+        # placement (docs/engine.md#devices): PARAMETERs or request options, as llama.cpp's -ngl and --n-cpu-moe
+        num_gpu = parameters.get("num_gpu")
+        num_cpu_moe = parameters.get("num_cpu_moe")
         self.model = Model.load(str(local_model.gguf_path), threads=threads,
-                                name=f"model '{local_model.name}'" if getattr(local_model, "name", None) else None)
+                                name=f"model '{local_model.name}'" if getattr(local_model, "name", None) else None,
+                                num_gpu=int(num_gpu) if isinstance(num_gpu, int) else None,
+                                num_cpu_moe=int(num_cpu_moe) if isinstance(num_cpu_moe, int) else 0)
         try:
             hparams = self.model.hparams
             self.metadata = dict(self.model.metadata)
@@ -147,8 +160,17 @@ class EngineRunner:
         self.has_thinking = self.template.kind == "jinja" and "enable_thinking" in self.template.text
         self.tool_format = tool_format_of(self.template)
         self.size = os.path.getsize(local_model.gguf_path)
-        self.size_vram = 0
+        self.size_vram = vram_bytes(self.model.placement, self.size)
+        from dgemma_engine.devices import list_devices
+
+        found = ", ".join(f"{d.name} ({d.description})" for d in list_devices())
+        log.info("loaded %s; devices: %s; %s", getattr(local_model, "name", "") or self.gguf_path_name(local_model),
+                 found, self.model.placement.describe())
         self.gguf_path = str(local_model.gguf_path)
+
+    @staticmethod
+    def gguf_path_name(local_model: Any) -> str:
+        return os.path.basename(str(local_model.gguf_path))
 
     def _new_context(self) -> Any:
         from dgemma_engine.model import Context

@@ -30,9 +30,15 @@ FAR_FUTURE_SECONDS = 290 * 365.25 * 86400  # what `ps` shows for "forever", as O
 _ticket: contextvars.ContextVar["_Ticket | None"] = contextvars.ContextVar("dgemma_pending_ticket", default=None)
 
 
+# load-time options that change where the weights go: a runner loaded with other values is reloaded
+PLACEMENT_OPTIONS = ("num_gpu", "num_cpu_moe")
+
+
 def model_identity(model: Any) -> tuple:
     """Two requests share a runner only if they name the same weights and settings."""
-    return (str(getattr(model, "gguf_path", "")), getattr(model, "manifest_digest", None))
+    parameters = getattr(model, "parameters", None) or {}
+    placement = tuple(parameters.get(name) for name in PLACEMENT_OPTIONS)
+    return (str(getattr(model, "gguf_path", "")), getattr(model, "manifest_digest", None), placement)
 
 
 @dataclass(eq=False)

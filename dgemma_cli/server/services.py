@@ -1,5 +1,6 @@
 """What the routes share: configuration, the store, the scheduler, and small model helpers (resolve, show, create)."""
 import asyncio
+import copy
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from dgemma_cli.server.config import ServerConfig
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import check_options
 from dgemma_cli.server.runner import ChatTemplate, jinja_template_text, tool_format_of
-from dgemma_cli.server.scheduler import Scheduler
+from dgemma_cli.server.scheduler import PLACEMENT_OPTIONS, Scheduler
 from dgemma_cli.store import ModelNotFoundError, Store
 from dgemma_cli.wire import ModelDetails, ShowResponse, TensorInfo
 
@@ -94,6 +95,19 @@ class Services:
         merged = check_options(dict(model.local.parameters or {}))
         merged.update(check_options(request_options))
         return merged
+
+    @staticmethod
+    def placed_model(model: ResolvedModel, options: dict[str, Any]) -> Any:
+        """The stored model with the request's placement options (num_gpu, num_cpu_moe) as its parameters: what the
+        runner loads with, and what the scheduler tells runners apart by."""
+        local = model.local
+        wanted = {name: options[name] for name in PLACEMENT_OPTIONS if name in options}
+        parameters = dict(getattr(local, "parameters", None) or {})
+        if all(parameters.get(name) == value for name, value in wanted.items()):
+            return local
+        placed = copy.copy(local)
+        placed.parameters = {**parameters, **wanted}
+        return placed
 
     def num_ctx(self, model: ResolvedModel, options: dict[str, Any]) -> int:
         num_ctx = int(options.get("num_ctx", self.config.context_length))

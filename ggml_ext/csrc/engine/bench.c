@@ -145,3 +145,111 @@ done:
     if (ctx) ggml_free(ctx);
     return result;
 }
+
+// Test and bench hook for the soft-embedding op (soft_embedding.c): E [h, v] of `type` (random, quantised by ggml),
+// P [v, n] random non-negative. Returns max |Δ| / max |y| against a double-precision product with ggml's own
+// dequantisation of E; -1 for invalid arguments or no memory, -2 when this CPU lacks that instruction set.
+// reps > 0 also times the op: *seconds = best wall time of reps runs (after one warm-up).
+DG_API double dg_check_soft_embedding(int type, int64_t v, int64_t h, int64_t n, int slices, int n_threads,
+                                      uint64_t seed, int isa, int reps, double *seconds) {
+    if (type < 0 || type >= GGML_TYPE_COUNT || v < 1 || h < 1 || n < 1 || slices < 1 || isa < 0 || isa > 1 ||
+        h % ggml_blck_size((enum ggml_type)type) != 0 ||
+        (type != GGML_TYPE_F32 && !ggml_get_type_traits((enum ggml_type)type)->to_float) ||
+        v * h > ((int64_t)1 << 31) || v * n > ((int64_t)1 << 31))
+        return -1;
+    if (dg_soft_embedding_isa() < isa) return -2;
+    struct ggml_init_params ip = {ggml_tensor_overhead() * (size_t)(8 + 2 * slices) + ggml_graph_overhead(), NULL, true};
+    struct ggml_context *ctx = ggml_init(ip);
+    ggml_backend_t backend = ggml_backend_cpu_init();
+    ggml_backend_buffer_t buf = NULL;
+    float *row = NULL, *deq = NULL;
+    double result = -1;
+    if (!ctx || !backend) goto done;
+    ggml_backend_cpu_set_n_threads(backend, n_threads);
+    struct ggml_tensor *e = ggml_new_tensor_2d(ctx, (enum ggml_type)type, h, v);
+    struct ggml_tensor *p = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, v, n);
+    struct ggml_tensor *y = dg_build_soft_embedding(ctx, e, p, slices, isa);
+    struct ggml_cgraph *gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, y);
+    buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+    row = malloc(sizeof(float) * (size_t)h);
+    deq = malloc(sizeof(float) * (size_t)h);
+    if (!buf || !row || !deq) goto done;
+    for (int64_t r = 0; r < v; r++) {
+        for (int64_t i = 0; i < h; i++) row[i] = rand_float(&seed);
+        if (type == GGML_TYPE_F32) memcpy((char *)e->data + r * e->nb[1], row, sizeof(float) * (size_t)h);
+        else ggml_quantize_chunk((enum ggml_type)type, row, (char *)e->data + r * e->nb[1], 0, 1, h, NULL);
+    }
+    for (int64_t i = 0; i < ggml_nelements(p); i++) ((float *)p->data)[i] = 0.5f * (rand_float(&seed) + 1.0f);
+    ggml_backend_graph_compute(backend, gf);
+    if (seconds) *seconds = -1;
+    for (int r = 0; r < reps; r++) {
+        double t0 = clock_s(CLOCK_MONOTONIC);
+        ggml_backend_graph_compute(backend, gf);
+        double dt = clock_s(CLOCK_MONOTONIC) - t0;
+        if (seconds && (*seconds < 0 || dt < *seconds)) *seconds = dt;
+    }
+    double *ref = calloc((size_t)(h * n), sizeof(double));
+    if (!ref) goto done;
+    const ggml_to_float_t to_float = ggml_get_type_traits((enum ggml_type)type)->to_float;
+    for (int64_t r = 0; r < v; r++) {
+        const char *src = (const char *)e->data + r * e->nb[1];
+        if (type == GGML_TYPE_F32) memcpy(deq, src, sizeof(float) * (size_t)h);
+        else to_float(src, deq, h);
+        for (int64_t t = 0; t < n; t++) {
+            const double pv = ((float *)p->data)[t * v + r];
+            for (int64_t i = 0; i < h; i++) ref[t * h + i] += pv * deq[i];
+        }
+    }
+    double max_diff = 0, max_abs = 0;
+    for (int64_t t = 0; t < n; t++) {
+        const float *yr = (const float *)((const char *)y->data + t * y->nb[1]);
+        for (int64_t i = 0; i < h; i++) {
+            const double a = yr[i], b = ref[t * h + i];
+            max_diff = a != a ? INFINITY : fmax(max_diff, fabs(a - b));
+            max_abs = fmax(max_abs, fabs(b));
+        }
+    }
+    free(ref);
+    result = max_abs > 0 ? max_diff / max_abs : max_diff;
+done:
+    free(row);
+    free(deq);
+    if (buf) ggml_backend_buffer_free(buf);
+    if (backend) ggml_backend_free(backend);
+    if (ctx) ggml_free(ctx);
+    return result;
+}
+
+// Test hook: the soft-embedding op's row dequantizer for `type` (isa 0 portable, 1 AVX2) against ggml's to_float on
+// `n_blocks` blocks of random bytes (each block's fp16 scale a finite random value). Returns the number of elements
+// whose bits differ; -1 for invalid arguments or no memory, -2 when this CPU lacks that instruction set.
+DG_API int64_t dg_check_row_dequantizer(int type, int64_t n_blocks, int isa, uint64_t seed) {
+    if ((type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q6_K) || n_blocks < 1 || n_blocks > 4096 || isa < 0 || isa > 1)
+        return -1;
+    if (dg_soft_embedding_isa() < isa) return -2;
+    const int64_t blck = ggml_blck_size((enum ggml_type)type), k = blck * n_blocks;
+    const size_t bytes = ggml_type_size((enum ggml_type)type) * (size_t)n_blocks;
+    uint8_t *src = malloc(bytes);
+    float *ours = malloc(sizeof(float) * (size_t)k), *theirs = malloc(sizeof(float) * (size_t)k);
+    int64_t differ = -1;
+    if (src && ours && theirs) {
+        for (size_t i = 0; i < bytes; i++) src[i] = (uint8_t)next_rand(&seed);
+        const size_t scale_at = type == GGML_TYPE_Q8_0 ? 0 : 208;  // offset of the fp16 d inside one block
+        for (int64_t b = 0; b < n_blocks; b++) {
+            const ggml_fp16_t d = ggml_fp32_to_fp16(rand_float(&seed) * 0.01f);
+            memcpy(src + (size_t)b * ggml_type_size((enum ggml_type)type) + scale_at, &d, sizeof(d));
+        }
+        dg_row_dequantizer((enum ggml_type)type, isa == 1)(src, ours, k);
+        ggml_get_type_traits((enum ggml_type)type)->to_float(src, theirs, k);
+        differ = 0;
+        for (int64_t i = 0; i < k; i++) differ += memcmp(ours + i, theirs + i, sizeof(float)) != 0;
+    }
+    free(src);
+    free(ours);
+    free(theirs);
+    return differ;
+}
+
+// Test hook: the best instruction set the soft-embedding op runs on this CPU (0 portable, 1 AVX2 + FMA).
+DG_API int dg_check_soft_embedding_isa(void) { return dg_soft_embedding_isa(); }

@@ -31,22 +31,20 @@ static struct ggml_context *new_graph_ctx(const dg_model *m) {
     return ggml_init(ip);
 }
 
-// Place a graph in the shared compute buffer. A graph may have been placed before in a buffer that has since been
-// re-planned for another graph, so its compute tensors are detached first and planned again.
+// Place a graph with the scheduler: every node on a device, split inputs copied, compute buffers allocated. A graph
+// may have been placed before in buffers that have since been re-planned for another graph, so its compute tensors
+// are detached first and placed again. Custom ops (fused GELU, tiled experts) are CPU code: pinned to the CPU.
 static bool place_graph(dg_context *c, struct ggml_context *gctx, struct ggml_cgraph *gf, char *err, size_t err_len) {
     for (struct ggml_tensor *t = ggml_get_first_tensor(gctx); t; t = ggml_get_next_tensor(gctx, t)) {
         t->data = NULL;
         t->buffer = NULL;
     }
-    if (c->reserved != gf) {
-        c->reserved = NULL;
-        if (!ggml_gallocr_reserve(c->galloc, gf)) {
-            dg_set_err(err, err_len, "cannot allocate the compute buffer (out of memory)");
-            return false;
-        }
-        c->reserved = gf;
+    ggml_backend_sched_reset(c->sched);
+    for (int i = 0; i < ggml_graph_n_nodes(gf); i++) {
+        struct ggml_tensor *node = ggml_graph_node(gf, i);
+        if (node->op == GGML_OP_CUSTOM) ggml_backend_sched_set_tensor_backend(c->sched, node, c->backends[0]);
     }
-    if (!ggml_gallocr_alloc_graph(c->galloc, gf)) {
+    if (!ggml_backend_sched_alloc_graph(c->sched, gf)) {
         dg_set_err(err, err_len, "cannot allocate the compute graph (out of memory)");
         return false;
     }
@@ -73,7 +71,7 @@ static void leave_fast_fp(unsigned int saved) { (void)saved; }
 
 static bool compute(dg_context *c, struct ggml_cgraph *gf, char *err, size_t err_len) {
     const unsigned int fp_mode = enter_fast_fp();
-    const enum ggml_status status = ggml_backend_graph_compute(c->backend, gf);
+    const enum ggml_status status = ggml_backend_sched_graph_compute(c->sched, gf);
     leave_fast_fp(fp_mode);
     if (status != GGML_STATUS_SUCCESS) {
         dg_set_err(err, err_len, "ggml graph computation failed");
@@ -82,40 +80,39 @@ static bool compute(dg_context *c, struct ggml_cgraph *gf, char *err, size_t err
     return true;
 }
 
-static double elapsed_s(const struct timespec *t0) {
-    struct timespec t1;
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    return (double)(t1.tv_sec - t0->tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0->tv_nsec);
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-// Profiling variant (bench/step.py): run the graph node by node, adding each node's wall time to seconds[op].
-static bool compute_profiled(dg_context *c, struct ggml_cgraph *gf, double *seconds, char *err, size_t err_len) {
-    struct ggml_init_params ip = {ggml_graph_overhead_custom(1, false), NULL, true};
-    struct ggml_context *scratch = ggml_init(ip);
-    if (!scratch) {
-        dg_set_err(err, err_len, "out of memory");
-        return false;
+// The scheduler computes a node on its own when this callback asks to observe it (ask), then hands it over: the time
+// in between is the node's wall time (with its split's input copies, on the first node of a split).
+static bool profile_node(struct ggml_tensor *node, bool ask, void *user) {
+    dg_context *c = user;
+    if (ask) {
+        c->profile_t0 = now_s();
+        return true;
     }
-    struct ggml_cgraph *one = ggml_new_graph_custom(scratch, 1, false);
-    bool ok = true;
-    for (int i = 0; ok && i < ggml_graph_n_nodes(gf); i++) {
-        struct ggml_tensor *node = ggml_graph_node(gf, i);
-        ggml_graph_clear(one);
-        ggml_graph_add_node(one, node);
-        struct timespec t0;
-        clock_gettime(CLOCK_MONOTONIC, &t0);
-        ok = compute(c, one, err, err_len);
-        const double dt = elapsed_s(&t0);
-        seconds[node->op] += dt;
-        if (getenv("DGEMMA_PROFILE_NODES") && node->src[0]) {  // one line per node, for bench notes
+    const double dt = now_s() - c->profile_t0;
+    c->profile[node->op] += dt;
+    if (getenv("DGEMMA_PROFILE_NODES") && node->src[0]) {  // one line per node, for bench notes
             const struct ggml_tensor *a = node->src[0], *b = node->src[1] ? node->src[1] : node->src[0];
             fprintf(stderr, "%s %s [%lld,%lld,%lld] x %s [%lld,%lld,%lld] -> [%lld,%lld,%lld] %.6f\n",
                     ggml_op_desc(node), ggml_type_name(a->type), (long long)a->ne[0], (long long)a->ne[1], (long long)a->ne[2],
                     ggml_type_name(b->type), (long long)b->ne[0], (long long)b->ne[1], (long long)b->ne[2],
                     (long long)node->ne[0], (long long)node->ne[1], (long long)node->ne[2], dt);
-        }
     }
-    ggml_free(scratch);
+    return true;
+}
+
+// Profiling variant (bench/step.py): the graph node by node, adding each node's wall time to seconds[op].
+static bool compute_profiled(dg_context *c, struct ggml_cgraph *gf, double *seconds, char *err, size_t err_len) {
+    c->profile = seconds;
+    ggml_backend_sched_set_eval_callback(c->sched, profile_node, c);
+    const bool ok = compute(c, gf, err, err_len);
+    ggml_backend_sched_set_eval_callback(c->sched, NULL, NULL);
+    c->profile = NULL;
     return ok;
 }
 
@@ -138,23 +135,48 @@ static int slot_of(const dg_context *c, int il, int pos) {
 // (+ up to KEY_MULTIPLE−1 for padding) and move them to the front. Graph views point at slots: drop the graphs.
 static void free_step_graphs(dg_context *c);
 
-static void make_sliding_room(dg_context *c, int n) {
+// A cache tensor's bytes on the host: its own memory on the CPU, else a copy (device caches; write_back after).
+static void *host_bytes(struct ggml_tensor *t) {
+    if (ggml_backend_buffer_is_host(t->buffer)) return t->data;
+    void *copy = malloc(ggml_nbytes(t));
+    if (copy) ggml_backend_tensor_get(t, copy, 0, ggml_nbytes(t));
+    return copy;
+}
+
+static void write_back(struct ggml_tensor *t, void *bytes) {
+    if (bytes == t->data) return;
+    ggml_backend_tensor_set(t, bytes, 0, ggml_nbytes(t));
+    free(bytes);
+}
+
+static bool make_sliding_room(dg_context *c, int n, char *err, size_t err_len) {
     const dg_model *m = c->model;
-    if (c->n_past + n - c->swa_base <= c->swa_cap) return;
+    if (c->n_past + n - c->swa_base <= c->swa_cap) return true;
     const int visible = m->hp.sliding_window - 1 + KEY_MULTIPLE - 1;
     const int keep = c->n_past < visible ? c->n_past : visible;
     const int shift = c->n_past - keep - c->swa_base;
     for (int il = 0; il < m->hp.n_layer; il++) {
         if (!m->layers[il].sliding) continue;
         struct ggml_tensor *kc = c->k_cache[il], *vc = c->v_cache[il];
-        memmove(kc->data, (char *)kc->data + (size_t)shift * kc->nb[2], (size_t)keep * kc->nb[2]);
+        char *k = host_bytes(kc);
+        float *v = host_bytes(vc);
+        if (!k || !v) {
+            if (k != kc->data) free(k);
+            if (v != vc->data) free(v);
+            dg_set_err(err, err_len, "out of memory");
+            return false;
+        }
+        memmove(k, k + (size_t)shift * kc->nb[2], (size_t)keep * kc->nb[2]);
         for (int64_t r = 0; r < vc->ne[1] * vc->ne[2]; r++) {  // V is transposed: every (dim, head) row holds slots
-            float *row = (float *)vc->data + r * vc->ne[0];
+            float *row = v + r * vc->ne[0];
             memmove(row, row + shift, sizeof(float) * (size_t)keep);
         }
+        write_back(kc, k);
+        write_back(vc, v);
     }
     c->swa_base += shift;
     free_step_graphs(c);
+    return true;
 }
 
 static dg_attn_span span_for(const dg_context *c, int il, int n_past, int n_new) {
@@ -188,9 +210,9 @@ static void clear_tail_slots(dg_context *c, int n_past, int n_new) {
         if (s.tail == 0) continue;
         struct ggml_tensor *kc = c->k_cache[il], *vc = c->v_cache[il];
         const int from = s.first + s.len - s.tail;
-        memset((char *)kc->data + (size_t)from * kc->nb[2], 0, (size_t)s.tail * kc->nb[2]);
+        ggml_backend_tensor_memset(kc, 0, (size_t)from * kc->nb[2], (size_t)s.tail * kc->nb[2]);
         for (int64_t r = 0; r < vc->ne[1] * vc->ne[2]; r++) {  // V is transposed: every (dim, head) row holds slots
-            memset((float *)vc->data + r * vc->ne[0] + from, 0, sizeof(float) * (size_t)s.tail);
+            ggml_backend_tensor_memset(vc, 0, sizeof(float) * (size_t)(r * vc->ne[0] + from), sizeof(float) * (size_t)s.tail);
         }
     }
 }
@@ -277,18 +299,26 @@ static bool encode_chunk(dg_context *c, const int32_t *ids, int n, char *err, si
             ggml_backend_tensor_set(ids_t, ids, 0, ggml_nbytes(ids_t));
             ggml_backend_tensor_set(pos_t, pos, 0, ggml_nbytes(pos_t));
             free(pos);
-            for (int kind = 0; kind < 2; kind++) {
+            for (int kind = 0; ok && kind < 2; kind++) {
                 if (!mask[kind]) continue;
-                fill_encoder_mask(mask[kind]->data, spans[kind], kind == 1 ? c->swa_base : 0, c->n_past, n,
-                                  m->hp.sliding_window, kind == 1);
+                float *host = malloc(ggml_nbytes(mask[kind]));
+                ok = host != NULL;
+                if (!ok) break;
+                fill_encoder_mask(host, spans[kind], kind == 1 ? c->swa_base : 0, c->n_past, n, m->hp.sliding_window,
+                                  kind == 1);
+                ggml_backend_tensor_set(mask[kind], host, 0, ggml_nbytes(mask[kind]));
+                free(host);
             }
-            clear_tail_slots(c, c->n_past, n);
-            ok = compute(c, gf, err, err_len);
+            if (ok) {
+                clear_tail_slots(c, c->n_past, n);
+                ok = compute(c, gf, err, err_len);
+            } else {
+                dg_set_err(err, err_len, "out of memory");
+            }
         } else {
             dg_set_err(err, err_len, "out of memory");
         }
     }
-    c->reserved = NULL;  // this graph is freed now
     ggml_free(gctx);
     if (ok) c->n_past += n;
     return ok;
@@ -301,10 +331,7 @@ static void free_step_graphs(dg_context *c) {
     for (int s = 0; s < 2; s++) {
         for (int o = 0; o < 2; o++) {
             dg_step_graph *g = &c->steps[s][o];
-            if (g->ctx) {
-                if (c->reserved == g->gf) c->reserved = NULL;
-                ggml_free(g->ctx);
-            }
+            if (g->ctx) ggml_free(g->ctx);
             memset(g, 0, sizeof(*g));
         }
     }
@@ -312,8 +339,10 @@ static void free_step_graphs(dg_context *c) {
     c->steps_n_rows = -1;
 }
 
-// P·E for probabilities p [V, n], slice by slice of the vocabulary (see make_transposed_embedding): [H, n]
+// P·E for probabilities p [V, n]: [H, n]. F32 files: slice by slice of the transposed copy (see
+// dg_make_transposed_embedding); otherwise the soft-embedding op on the stored embedding, one slice per thread.
 static struct ggml_tensor *soft_embedding(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *p) {
+    if (!m->embd_t) return dg_build_soft_embedding(ctx, m->tok_embd, p, m->n_threads, dg_soft_embedding_isa());
     const int64_t V = m->hp.n_vocab, H = m->hp.n_embd, n = p->ne[1], KC = m->sc_chunk, NCH = m->sc_chunks;
     if (KC * NCH != V) p = ggml_pad(ctx, p, (int)(KC * NCH - V), 0, 0, 0);  // zero probabilities for padding rows
     p = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_3d(ctx, p, KC, NCH, n), 0, 2, 1, 3));  // [KC, n, NCH]
@@ -346,7 +375,7 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
         struct ggml_tensor *p = g->sc_softmax = ggml_soft_max_ext(ctx, prev, NULL, 1.0f, 0.0f);  // [V, n]
         struct ggml_tensor *soft = ggml_scale(ctx, soft_embedding(ctx, m, p), m->embd_scale);  // [H, n]
         struct ggml_tensor *u = dg_build_rmsw(ctx, m, soft, m->sc_pre_norm);
-        e = ggml_add(ctx, e, dg_build_gated_mlp(ctx, u, m->sc_gate, m->sc_up, m->sc_down));
+        e = ggml_add(ctx, e, dg_build_gated_mlp(ctx, u, m->sc_gate, m->sc_up, m->sc_down, dg_unit_fast(m, m->hp.n_layer)));
     }
     struct ggml_tensor *x = ggml_rms_norm(ctx, e, m->hp.rms_eps);  // weight-less post_norm
 
@@ -364,7 +393,7 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
                            slot_of(c, il, c->n_past), span, false, false);
     }
     x = dg_build_rmsw(ctx, m, x, m->output_norm);
-    struct ggml_tensor *logits = dg_build_weight_matmul(ctx, m->output ? m->output : m->tok_embd, x);  // [V, n]
+    struct ggml_tensor *logits = dg_build_weight_matmul(ctx, dg_lm_head(m), x, dg_unit_fast(m, m->hp.n_layer));  // [V, n]
     const float cap = m->hp.logit_softcap;
     logits = dg_build_softcap(ctx, logits, cap);
     struct ggml_tensor *dst = ggml_view_2d(ctx, c->logits[out], V, n, c->logits[out]->nb[1], 0);
@@ -376,7 +405,13 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
 // exported API
 
 DG_API dg_model *dg_model_load(const char *path, int n_threads, char *err, size_t err_len) {
-    return dg_model_load_impl(path, n_threads, err, err_len);
+    return dg_model_load_impl(path, n_threads, false, err, err_len);
+}
+
+DG_API int dg_model_check(const char *path, char *err, size_t err_len) {
+    dg_model *m = dg_model_load_impl(path, 1, true, err, err_len);
+    dg_model_free_impl(m);
+    return m != NULL;
 }
 
 DG_API void dg_model_free(dg_model *m) { dg_model_free_impl(m); }
@@ -390,6 +425,95 @@ DG_API const char *dg_model_warnings(const dg_model *m) { return m->warnings; }
 DG_API size_t dg_model_file_size(const dg_model *m) { return m->map_size; }
 
 DG_API size_t dg_hparams_size(void) { return sizeof(dg_hparams); }
+
+DG_API void dg_context_free(dg_context *c);
+
+// One backend per placement device, and the scheduler over them: accelerators first, the CPU last (its lowest
+// priority: nodes run where their weights are, the rest follows its neighbours).
+static bool init_backends(dg_context *c, int n_threads, char *err, size_t err_len) {
+    const dg_placement *p = &c->model->place;
+    const int n = p->n_devices > 0 ? p->n_devices : 1;
+    c->backends[0] = ggml_backend_cpu_init();
+    if (!c->backends[0]) {
+        dg_set_err(err, err_len, "cannot initialise the CPU backend");
+        return false;
+    }
+    ggml_backend_cpu_set_n_threads(c->backends[0], n_threads);
+    ggml_backend_t order[DG_MAX_DEVICES];
+    for (int d = 1; d < n; d++) {
+        c->backends[d] = ggml_backend_dev_init(p->devices[d], NULL);
+        if (!c->backends[d]) {
+            dg_set_err(err, err_len, "cannot initialise the device %s", ggml_backend_dev_name(p->devices[d]));
+            return false;
+        }
+        order[d - 1] = c->backends[d];
+    }
+    order[n - 1] = c->backends[0];
+    c->sched = ggml_backend_sched_new(order, NULL, n, 2 * graph_nodes(c->model) + 1024, false, false);
+    if (!c->sched) {
+        dg_set_err(err, err_len, "cannot create the graph scheduler");
+        return false;
+    }
+    return true;
+}
+
+// K/V cache of each layer on the layer's device, the logits ping-pong buffers on the output's.
+static bool alloc_state(dg_context *c, char *err, size_t err_len) {
+    const dg_model *m = c->model;
+    const dg_placement *p = &m->place;
+    const int L = m->hp.n_layer, n = p->n_devices > 0 ? p->n_devices : 1, n_ctx = c->n_ctx;
+    c->k_cache = calloc((size_t)L, sizeof(struct ggml_tensor *));
+    c->v_cache = calloc((size_t)L, sizeof(struct ggml_tensor *));
+    if (!c->k_cache || !c->v_cache) {
+        dg_set_err(err, err_len, "out of memory");
+        return false;
+    }
+    for (int d = 0; d < n; d++) {
+        struct ggml_init_params ip = {ggml_tensor_overhead() * (2 * (size_t)L + 2), NULL, true};
+        if (!(c->ctx_state[d] = ggml_init(ip))) {
+            dg_set_err(err, err_len, "out of memory");
+            return false;
+        }
+    }
+    const int64_t swa_cap = (int64_t)m->hp.sliding_window - 1 + KEY_MULTIPLE - 1 + encode_chunk_rows(m);
+    c->swa_cap = swa_cap < n_ctx ? (int)swa_cap : n_ctx;
+    for (int il = 0; il < L; il++) {
+        const dg_layer *ly = &m->layers[il];
+        struct ggml_context *ctx = c->ctx_state[p->unit_device[il]];
+        const int slots = ly->sliding ? c->swa_cap : n_ctx;
+        c->k_cache[il] = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, ly->head_dim, ly->n_head_kv, slots);
+        c->v_cache[il] = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, slots, ly->head_dim, ly->n_head_kv);
+    }
+    const int out_dev = p->unit_device[L];
+    for (int i = 0; i < 2; i++) {
+        c->logits[i] = ggml_new_tensor_2d(c->ctx_state[out_dev], GGML_TYPE_F32, m->hp.n_vocab, m->hp.canvas_length);
+    }
+    for (int d = 0; d < n; d++) {
+        if (!ggml_get_first_tensor(c->ctx_state[d])) continue;
+        c->buf_state[d] = ggml_backend_alloc_ctx_tensors(c->ctx_state[d], c->backends[d]);
+        if (!c->buf_state[d]) {
+            size_t bytes = 0;
+            for (struct ggml_tensor *t = ggml_get_first_tensor(c->ctx_state[d]); t;
+                 t = ggml_get_next_tensor(c->ctx_state[d], t)) {
+                bytes += ggml_nbytes(t);
+            }
+            dg_set_err(err, err_len, "cannot allocate %.1f MiB for the K/V cache and logits (n_ctx %d)",
+                       bytes / 1048576.0, n_ctx);
+            return false;
+        }
+    }
+    for (int i = 0; i < 2; i++) {
+        ggml_backend_tensor_memset(c->logits[i], 0, 0, ggml_nbytes(c->logits[i]));
+        if (!ggml_backend_buffer_is_host(c->logits[i]->buffer)) {
+            c->logits_host[i] = calloc(ggml_nelements(c->logits[i]), sizeof(float));
+            if (!c->logits_host[i]) {
+                dg_set_err(err, err_len, "out of memory");
+                return false;
+            }
+        }
+    }
+    return true;
+}
 
 DG_API dg_context *dg_context_new(dg_model *m, int n_ctx, int n_threads, char *err, size_t err_len) {
     if (err && err_len) err[0] = 0;
@@ -409,61 +533,24 @@ DG_API dg_context *dg_context_new(dg_model *m, int n_ctx, int n_threads, char *e
     if (n_threads <= 0) n_threads = m->n_threads > 0 ? m->n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (n_threads <= 0) n_threads = 1;
 
-    const int L = m->hp.n_layer;
-    c->backend = ggml_backend_cpu_init();
-    c->k_cache = calloc((size_t)L, sizeof(struct ggml_tensor *));
-    c->v_cache = calloc((size_t)L, sizeof(struct ggml_tensor *));
-    struct ggml_init_params ip = {ggml_tensor_overhead() * (2 * (size_t)L + 2), NULL, true};
-    c->ctx_state = ggml_init(ip);
-    if (!c->backend || !c->k_cache || !c->v_cache || !c->ctx_state) {
-        dg_set_err(err, err_len, "cannot initialise the CPU backend");
-        goto fail;
-    }
-    ggml_backend_cpu_set_n_threads(c->backend, n_threads);
-    const int64_t swa_cap = (int64_t)m->hp.sliding_window - 1 + KEY_MULTIPLE - 1 + encode_chunk_rows(m);
-    c->swa_cap = swa_cap < n_ctx ? (int)swa_cap : n_ctx;
-    for (int il = 0; il < L; il++) {
-        const dg_layer *ly = &m->layers[il];
-        const int slots = ly->sliding ? c->swa_cap : n_ctx;
-        c->k_cache[il] = ggml_new_tensor_3d(c->ctx_state, GGML_TYPE_F32, ly->head_dim, ly->n_head_kv, slots);
-        c->v_cache[il] = ggml_new_tensor_3d(c->ctx_state, GGML_TYPE_F32, slots, ly->head_dim, ly->n_head_kv);
-    }
-    for (int i = 0; i < 2; i++) {
-        c->logits[i] = ggml_new_tensor_2d(c->ctx_state, GGML_TYPE_F32, m->hp.n_vocab, m->hp.canvas_length);
-    }
-    c->buf_state = ggml_backend_alloc_ctx_tensors(c->ctx_state, c->backend);
-    if (!c->buf_state) {
-        size_t bytes = 0;
-        for (struct ggml_tensor *t = ggml_get_first_tensor(c->ctx_state); t; t = ggml_get_next_tensor(c->ctx_state, t)) {
-            bytes += ggml_nbytes(t);
-        }
-        dg_set_err(err, err_len, "cannot allocate %.1f MiB for the K/V cache and logits (n_ctx %d)", bytes / 1048576.0,
-                   n_ctx);
-        goto fail;
-    }
-    for (int i = 0; i < 2; i++) memset(c->logits[i]->data, 0, ggml_nbytes(c->logits[i]));
-    c->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(c->backend));
-    if (!c->galloc) {
-        dg_set_err(err, err_len, "cannot create the graph allocator");
-        goto fail;
+    if (!init_backends(c, n_threads, err, err_len) || !alloc_state(c, err, err_len)) {
+        dg_context_free(c);
+        return NULL;
     }
     return c;
-fail:
-    if (c->ctx_state) ggml_free(c->ctx_state);
-    if (c->backend) ggml_backend_free(c->backend);
-    free(c->k_cache);
-    free(c->v_cache);
-    free(c);
-    return NULL;
 }
 
 DG_API void dg_context_free(dg_context *c) {
     if (!c) return;
     free_step_graphs(c);
-    if (c->galloc) ggml_gallocr_free(c->galloc);
-    if (c->buf_state) ggml_backend_buffer_free(c->buf_state);
-    if (c->ctx_state) ggml_free(c->ctx_state);
-    if (c->backend) ggml_backend_free(c->backend);
+    if (c->sched) ggml_backend_sched_free(c->sched);
+    for (int d = 0; d < DG_MAX_DEVICES; d++) {
+        if (c->buf_state[d]) ggml_backend_buffer_free(c->buf_state[d]);
+        if (c->ctx_state[d]) ggml_free(c->ctx_state[d]);
+        if (c->backends[d]) ggml_backend_free(c->backends[d]);
+    }
+    free(c->logits_host[0]);
+    free(c->logits_host[1]);
     free(c->k_cache);
     free(c->v_cache);
     free(c);
@@ -492,7 +579,6 @@ DG_API int dg_context_soft_embedding(dg_context *c, const float *probs, int n, f
         ok = compute(c, gf, err, err_len);
         if (ok) ggml_backend_tensor_get(soft, out, 0, ggml_nbytes(soft));
     }
-    c->reserved = NULL;
     ggml_free(gctx);
     return ok ? 0 : -1;
 }
@@ -520,7 +606,7 @@ DG_API int dg_context_encode(dg_context *c, const int32_t *ids, int n, char *err
     const int chunk = encode_chunk_rows(c->model);
     for (int off = 0; off < n; off += chunk) {
         const int nc = n - off < chunk ? n - off : chunk;
-        make_sliding_room(c, nc);
+        if (!make_sliding_room(c, nc, err, err_len)) return -1;
         if (!encode_chunk(c, ids + off, nc, err, err_len)) return -1;
     }
     return 0;
@@ -551,7 +637,7 @@ static float *step_impl(dg_context *c, const int32_t *ids, int n, int use_self_c
             return NULL;
         }
     }
-    make_sliding_room(c, n);
+    if (!make_sliding_room(c, n, err, err_len)) return NULL;
     if (c->steps_n_past != c->n_past || c->steps_n_rows != n) {
         free_step_graphs(c);
         c->steps_n_past = c->n_past;
@@ -576,7 +662,11 @@ static float *step_impl(dg_context *c, const int32_t *ids, int n, int use_self_c
     if (sc) memcpy(&g->sc_softmax->op_params[0], &inv_temp, sizeof(float));  // soft_max_ext's params: scale, bias
     for (int kind = 0; kind < 2; kind++) {
         if (!g->mask[kind]) continue;
-        float *mask = g->mask[kind]->data;
+        float *mask = malloc(ggml_nbytes(g->mask[kind]));
+        if (!mask) {
+            dg_set_err(err, err_len, "out of memory");
+            return NULL;
+        }
         const dg_attn_span span = g->span[kind];
         for (int t = 0; t < n; t++) {
             for (int j = 0; j < span.len; j++) {
@@ -584,11 +674,22 @@ static float *step_impl(dg_context *c, const int32_t *ids, int n, int use_self_c
                 mask[(size_t)t * span.len + j] = pad ? -INFINITY : 0.0f;
             }
         }
+        ggml_backend_tensor_set(g->mask[kind], mask, 0, ggml_nbytes(g->mask[kind]));
+        free(mask);
     }
-    if (!(profile ? compute_profiled(c, g->gf, profile, err, err_len) : compute(c, g->gf, err, err_len))) return NULL;
+    const bool ok = profile ? compute_profiled(c, g->gf, profile, err, err_len) : compute(c, g->gf, err, err_len);
+    if (c->model->place.n_devices > 1) {
+        // the scheduler rewires the sources of nodes that read another device's tensors to its copies, which live
+        // until the next split: a graph spanning devices is used once and rebuilt (building costs well under 1 ms)
+        ggml_free(g->ctx);
+        memset(g, 0, sizeof(*g));
+    }
+    if (!ok) return NULL;
     c->last = out;
     c->last_rows = n;
-    return c->logits[out]->data;
+    if (!c->logits_host[out]) return c->logits[out]->data;
+    ggml_backend_tensor_get(c->logits[out], c->logits_host[out], 0, sizeof(float) * (size_t)n * (size_t)m->hp.n_vocab);
+    return c->logits_host[out];
 }
 
 DG_API float *dg_context_step(dg_context *c, const int32_t *ids, int n, int use_self_cond, float inv_temp, char *err,
@@ -612,13 +713,18 @@ DG_API int dg_context_set_self_cond(dg_context *c, const float *data, int rows, 
         return -1;
     }
     const int target = c->last == 0 ? 1 : 0;
-    memcpy(c->logits[target]->data, data, sizeof(float) * (size_t)rows * (size_t)c->model->hp.n_vocab);
+    const size_t bytes = sizeof(float) * (size_t)rows * (size_t)c->model->hp.n_vocab;
+    ggml_backend_tensor_set(c->logits[target], data, 0, bytes);
+    if (c->logits_host[target]) memcpy(c->logits_host[target], data, bytes);
     c->last = target;
     c->last_rows = rows;
     return 0;
 }
 
 // Logits of the last step (or set_self_cond), NULL if none.
-DG_API float *dg_context_logits(const dg_context *c) { return c->last < 0 ? NULL : c->logits[c->last]->data; }
+DG_API float *dg_context_logits(const dg_context *c) {
+    if (c->last < 0) return NULL;
+    return c->logits_host[c->last] ? c->logits_host[c->last] : c->logits[c->last]->data;
+}
 
 DG_API int dg_context_logits_rows(const dg_context *c) { return c->last < 0 ? 0 : c->last_rows; }

@@ -1,4 +1,4 @@
-// dgemma engine: DiffusionGemma on ggml's CPU backend.
+// dgemma engine: DiffusionGemma on ggml's backends (the CPU, plus any accelerator or RPC device in ggml's registry).
 //
 // One model = one memory-mapped GGUF whose weight tensors point straight into the mapping, plus a transposed copy of
 // the token embedding (self-conditioning contracts over the vocabulary). One context = a K/V cache, the ping-pong
@@ -19,6 +19,7 @@
 #define DG_API __attribute__((visibility("default")))
 #define DG_MAX_LAYERS 512
 #define DG_MAX_CANVAS 4096  // longer canvases cost minutes per step and gigabytes of activations
+#define DG_MAX_DEVICES 17   // the CPU + up to 16 accelerators (ggml's RPC backend allows 16 servers)
 
 // Hyper-parameters as read from the GGUF (mirrored by ctypes in model.py: keep the field order).
 typedef struct dg_hparams {
@@ -60,6 +61,20 @@ typedef struct dg_layer {
     struct ggml_tensor *dec_scale, *enc_scale;  // layer scalars (decoder λ, encoder λ)
 } dg_layer;
 
+// Where each layer's weights live (devices.c). Device 0 is the CPU; zero-initialised = everything on the CPU, which
+// is the mmapped fast path. Unit n_layer is the output: final norm, LM head, logits buffers and self-conditioning.
+typedef struct dg_placement {
+    int n_devices;                           // 1 + accelerators in use
+    ggml_backend_dev_t devices[DG_MAX_DEVICES];
+    uint8_t unit_device[DG_MAX_LAYERS + 1];  // per layer, then the output
+    uint8_t expert_device[DG_MAX_LAYERS];    // the routed experts' device (the CPU with num_cpu_moe)
+    struct ggml_context *ctx[DG_MAX_DEVICES];  // device copies of the weights placed there
+    ggml_backend_buffer_t buf[DG_MAX_DEVICES];
+    size_t weight_bytes[DG_MAX_DEVICES];     // weights copied to each accelerator ([0] unused: the CPU maps the file)
+    struct ggml_tensor *lm_head;             // device copy of a tied LM head (else NULL: output or tok_embd)
+    bool standard_ops;                       // DGEMMA_STANDARD_OPS: the standard-op graph on the CPU too
+} dg_placement;
+
 typedef struct dg_model {
     dg_hparams hp;
     struct gguf_context *gguf;
@@ -73,11 +88,12 @@ typedef struct dg_model {
     struct ggml_tensor *tok_embd, *embd_t, *output, *output_norm, *rope_freqs;
     struct ggml_tensor *sc_pre_norm, *sc_gate, *sc_up, *sc_down;
     dg_layer *layers;
-    int64_t sc_chunk;   // embd_t is split along the vocabulary into sc_chunks slices of sc_chunk rows (see model.c)
+    int64_t sc_chunk;   // F32 files only (else embd_t is NULL): embd_t is split along the vocabulary into sc_chunks slices of sc_chunk rows (see model.c)
     int64_t sc_chunks;
     float embd_scale;  // sqrt(H) in fp32 (the fixtures are fp32 transformers runs)
     int n_threads;
     char warnings[1024];
+    dg_placement place;
 } dg_model;
 
 typedef struct dg_attn_span {
@@ -100,17 +116,17 @@ typedef struct dg_context {
     dg_model *model;
     int n_ctx;
     int n_past;
-    ggml_backend_t backend;
-    ggml_gallocr_t galloc;
-    struct ggml_cgraph *reserved;  // graph the allocator was last planned for
+    ggml_backend_t backends[DG_MAX_DEVICES];  // per placement device; [0] = the CPU
+    ggml_backend_sched_t sched;                // runs every graph: accelerators first, the CPU last
 
-    struct ggml_context *ctx_state;
-    ggml_backend_buffer_t buf_state;
+    struct ggml_context *ctx_state[DG_MAX_DEVICES];
+    ggml_backend_buffer_t buf_state[DG_MAX_DEVICES];  // each layer's cache on its device, logits on the output's
     struct ggml_tensor **k_cache;  // per layer: [head_dim, n_head_kv, slots]
     struct ggml_tensor **v_cache;  // per layer, transposed: [slots, head_dim, n_head_kv]
     int swa_cap;                   // slots of a sliding layer's cache (full layers: n_ctx)
     int swa_base;                  // position held by slot 0 of the sliding caches (full layers: 0)
     struct ggml_tensor *logits[2]; // ping-pong [n_vocab, canvas_length]
+    float *logits_host[2];         // host copies when the logits live on an accelerator (else NULL)
     int last;                      // buffer holding the previous step's raw logits, -1 if none
     int last_rows;
 
@@ -118,10 +134,15 @@ typedef struct dg_context {
     dg_step_graph steps[2][2];
     int steps_n_past;
     int steps_n_rows;
+    double *profile;  // while a profiled step runs: seconds per op (the scheduler's eval callback adds to it)
+    double profile_t0;
 } dg_context;
 
 // model.c
-dg_model *dg_model_load_impl(const char *path, int n_threads, char *err, size_t err_len);
+// check_only: parse and bind every tensor as a load does, but allocate nothing (what `create` runs on a file).
+dg_model *dg_model_load_impl(const char *path, int n_threads, bool check_only, char *err, size_t err_len);
+// the vocabulary-contiguous copy of the embedding for self-conditioning through ggml's matmul (see model.c)
+bool dg_make_transposed_embedding(dg_model *m, char *err, size_t err_len);
 void dg_model_free_impl(dg_model *m);
 
 // gguf_check.c: validate the raw bytes of a GGUF before ggml parses it.
@@ -135,8 +156,9 @@ struct ggml_tensor *dg_build_layer(struct ggml_context *ctx, struct ggml_cgraph 
 struct ggml_tensor *dg_build_rmsw(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x,
                                   struct ggml_tensor *w);
 struct ggml_tensor *dg_build_softcap(struct ggml_context *ctx, struct ggml_tensor *x, float cap);
+// fast: the fused GELU custom op (CPU only); else the same arithmetic from standard ops (any backend)
 struct ggml_tensor *dg_build_gated_mlp(struct ggml_context *ctx, struct ggml_tensor *x, struct ggml_tensor *gate,
-                                       struct ggml_tensor *up, struct ggml_tensor *down);
+                                       struct ggml_tensor *up, struct ggml_tensor *down, bool fast);
 
 // expert_matmul.c: ggml_mul_mat_id, with a register-tiled custom op for F32 weights on x86 (AVX2 / AVX-512)
 struct ggml_tensor *dg_build_expert_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
@@ -145,7 +167,24 @@ struct ggml_tensor *dg_build_expert_matmul(struct ggml_context *ctx, struct ggml
 struct ggml_tensor *dg_build_expert_matmul_isa(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
                                                struct ggml_tensor *ids, int isa);
 int dg_expert_matmul_isa(void);
-// qkernels.c: ggml_mul_mat(w, x) of a weight, through the engine's quantized kernels where they cover its type
-struct ggml_tensor *dg_build_weight_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x);
+// qkernels.c: ggml_mul_mat(w, x) of a weight; fast (its node runs on the CPU): through the engine's quantized kernels
+// where they cover the weight's type
+struct ggml_tensor *dg_build_weight_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
+                                           bool fast);
+
+// soft_embedding.c: P [V, n] · E for an embedding E [H, V] of any dequantizable type, in E's stored layout:
+// [H, n]. `slices` vocabulary ranges are summed separately (one per thread); isa 0 portable, 1 AVX2 + FMA.
+struct ggml_tensor *dg_build_soft_embedding(struct ggml_context *ctx, struct ggml_tensor *embd, struct ggml_tensor *p,
+                                            int slices, int isa);
+int dg_soft_embedding_isa(void);
+// its row dequantizer for `type` (NULL for F32: a copy); bit-identical to ggml's to_float
+ggml_to_float_t dg_row_dequantizer(enum ggml_type type, bool avx2);
+// devices.c: ggml's device registry, RPC servers, per-layer weight placement
+bool dg_model_place(dg_model *m, int num_gpu, int num_cpu_moe, char *err, size_t err_len);
+void dg_placement_free(dg_placement *p);
+// the fast CPU-only custom ops (fused GELU, tiled experts) may be used for this unit's nodes / its experts
+bool dg_unit_fast(const dg_model *m, int unit);
+bool dg_experts_fast(const dg_model *m, int il);
+struct ggml_tensor *dg_lm_head(const dg_model *m);
 
 void dg_set_err(char *err, size_t err_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

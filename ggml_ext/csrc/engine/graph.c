@@ -3,6 +3,9 @@
 // Exactness notes (each is covered by a test against transformers):
 // - GELU (tanh form) is computed in plain f32 (x·σ(2u), fused with the ·up product): ggml's gelu/geglu on the CPU
 //   go through an fp16 lookup table, which misses 1e-4.
+// - Two forms of the same arithmetic: the fast one with CPU-only custom ops (fused GELU, tiled F32 experts) for
+//   nodes that run on the CPU, and a standard-op one (what any ggml backend runs) for nodes placed on an
+//   accelerator, or everywhere with DGEMMA_STANDARD_OPS (docs/engine.md#devices).
 // - RoPE is NEOX with n_dims = head_dim; full layers get the partial rotary through `rope_freqs` factors.
 // - Attention scale is 1.0 (q and k are RMS-normalised instead).
 #include <math.h>
@@ -36,7 +39,19 @@ static void gelu_mul_op(struct ggml_tensor *dst, int ith, int nth, void *userdat
     }
 }
 
-static struct ggml_tensor *gelu_mul(struct ggml_context *ctx, struct ggml_tensor *gate, struct ggml_tensor *up) {
+// The same x·σ(z)·up from standard ops, z = x·(0.044715·x² + 1)·2·sqrt(2/π): exact f32 on every backend.
+static struct ggml_tensor *gelu_mul_standard(struct ggml_context *ctx, struct ggml_tensor *gate,
+                                             struct ggml_tensor *up) {
+    const float k = 1.5957691216057308f;
+    if (!ggml_is_contiguous(gate)) gate = ggml_cont(ctx, gate);  // unary ops on accelerators want contiguous rows
+    if (!ggml_is_contiguous(up)) up = ggml_cont(ctx, up);
+    struct ggml_tensor *z = ggml_mul(ctx, gate, ggml_scale_bias(ctx, ggml_sqr(ctx, gate), 0.044715f * k, k));
+    return ggml_mul(ctx, ggml_mul(ctx, gate, ggml_sigmoid(ctx, z)), up);
+}
+
+static struct ggml_tensor *gelu_mul(struct ggml_context *ctx, struct ggml_tensor *gate, struct ggml_tensor *up,
+                                    bool fast) {
+    if (!fast) return gelu_mul_standard(ctx, gate, up);
     GGML_ASSERT(gate->type == GGML_TYPE_F32 && up->type == GGML_TYPE_F32 && ggml_are_same_shape(gate, up) &&
                 gate->nb[0] == sizeof(float) && up->nb[0] == sizeof(float));
     struct ggml_tensor *args[2] = {gate, up};
@@ -50,15 +65,23 @@ struct ggml_tensor *dg_build_softcap(struct ggml_context *ctx, struct ggml_tenso
 }
 
 struct ggml_tensor *dg_build_gated_mlp(struct ggml_context *ctx, struct ggml_tensor *x, struct ggml_tensor *gate,
-                                       struct ggml_tensor *up, struct ggml_tensor *down) {
-    struct ggml_tensor *g = dg_build_weight_matmul(ctx, gate, x);
-    struct ggml_tensor *u = dg_build_weight_matmul(ctx, up, x);
-    return dg_build_weight_matmul(ctx, down, gelu_mul(ctx, g, u));
+                                       struct ggml_tensor *up, struct ggml_tensor *down, bool fast) {
+    struct ggml_tensor *g = dg_build_weight_matmul(ctx, gate, x, fast);
+    struct ggml_tensor *u = dg_build_weight_matmul(ctx, up, x, fast);
+    return dg_build_weight_matmul(ctx, down, gelu_mul(ctx, g, u, fast), fast);
+}
+
+// Experts on the CPU take the fast kernels (expert_matmul.c); anywhere else ggml's own mul_mat_id, which every
+// backend has: a CPU kernel must never be handed weights that live in another device's memory.
+static struct ggml_tensor *expert_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
+                                         struct ggml_tensor *ids, bool fast) {
+    return fast ? dg_build_expert_matmul(ctx, w, x, ids) : ggml_mul_mat_id(ctx, w, x, ids);
 }
 
 // Router on the raw residual, experts on pre_feedforward_layernorm_2(a) (docs/model.md#mlp-and-moe-routing). a: [H, T]
-static struct ggml_tensor *build_moe(struct ggml_context *ctx, const dg_model *m, const dg_layer *L,
-                                     struct ggml_tensor *a) {
+static struct ggml_tensor *build_moe(struct ggml_context *ctx, const dg_model *m, int il, struct ggml_tensor *a) {
+    const dg_layer *L = &m->layers[il];
+    const bool fast = dg_experts_fast(m, il);
     const int64_t H = m->hp.n_embd, E = m->hp.n_expert, K = m->hp.n_expert_used, FFe = m->hp.n_ff_exp;
     const int64_t T = a->ne[1];
 
@@ -79,15 +102,15 @@ static struct ggml_tensor *build_moe(struct ggml_context *ctx, const dg_model *m
     struct ggml_tensor *gate, *up;
     if (L->gate_up_exps) {
         // fused [H, 2·FFe, E]: output rows [0, FFe) are gate, [FFe, 2·FFe) are up
-        struct ggml_tensor *gu = dg_build_expert_matmul(ctx, L->gate_up_exps, xe, idx);  // [2·FFe, K, T]
+        struct ggml_tensor *gu = expert_matmul(ctx, L->gate_up_exps, xe, idx, fast);  // [2·FFe, K, T]
         gate = ggml_view_3d(ctx, gu, FFe, K, T, gu->nb[1], gu->nb[2], 0);
         up = ggml_view_3d(ctx, gu, FFe, K, T, gu->nb[1], gu->nb[2], FFe * ggml_element_size(gu));
     } else {
-        gate = dg_build_expert_matmul(ctx, L->gate_exps, xe, idx);
-        up = dg_build_expert_matmul(ctx, L->up_exps, xe, idx);
+        gate = expert_matmul(ctx, L->gate_exps, xe, idx, fast);
+        up = expert_matmul(ctx, L->up_exps, xe, idx, fast);
     }
-    struct ggml_tensor *act = gelu_mul(ctx, gate, up);                            // [FFe, K, T]
-    struct ggml_tensor *y = dg_build_expert_matmul(ctx, L->down_exps, act, idx);  // [H, K, T]
+    struct ggml_tensor *act = gelu_mul(ctx, gate, up, fast);                                // [FFe, K, T]
+    struct ggml_tensor *y = expert_matmul(ctx, L->down_exps, act, idx, fast);            // [H, K, T]
     y = ggml_mul(ctx, y, w);
 
     struct ggml_tensor *out = ggml_view_2d(ctx, y, H, T, y->nb[2], 0);
@@ -108,9 +131,11 @@ static struct ggml_tensor *build_attention(struct ggml_context *ctx, struct ggml
     const float base = L->sliding ? m->hp.rope_base_swa : m->hp.rope_base_full;
     struct ggml_tensor *freq_factors = L->sliding ? NULL : m->rope_freqs;
     const int n_ctx_orig = m->hp.n_ctx_train;
+    const bool fast = dg_unit_fast(m, il);  // the layer's weights are in CPU memory: the engine's kernels may read them
 
-    struct ggml_tensor *kr = ggml_reshape_3d(ctx, dg_build_weight_matmul(ctx, L->wk, h), hd, nkv, T);
-    struct ggml_tensor *vr = L->wv ? ggml_reshape_3d(ctx, dg_build_weight_matmul(ctx, L->wv, h), hd, nkv, T) : kr;
+    struct ggml_tensor *kr = ggml_reshape_3d(ctx, dg_build_weight_matmul(ctx, L->wk, h, fast), hd, nkv, T);
+    struct ggml_tensor *vr = L->wv ? ggml_reshape_3d(ctx, dg_build_weight_matmul(ctx, L->wv, h, fast), hd, nkv, T)
+                                   : kr;
     struct ggml_tensor *k = dg_build_rmsw(ctx, m, kr, L->k_norm);
     k = ggml_rope_ext(ctx, k, pos, freq_factors, (int)hd, GGML_ROPE_TYPE_NEOX, n_ctx_orig, base, 1.0f, 0.0f, 1.0f,
                       0.0f, 0.0f);
@@ -124,7 +149,7 @@ static struct ggml_tensor *build_attention(struct ggml_context *ctx, struct ggml
     ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_transpose(ctx, ggml_reshape_2d(ctx, v, hd * nkv, T)), v_dst));
     if (kv_only) return NULL;
 
-    struct ggml_tensor *q = ggml_reshape_3d(ctx, dg_build_weight_matmul(ctx, L->wq, h), hd, nh, T);
+    struct ggml_tensor *q = ggml_reshape_3d(ctx, dg_build_weight_matmul(ctx, L->wq, h, fast), hd, nh, T);
     q = dg_build_rmsw(ctx, m, q, L->q_norm);
     q = ggml_rope_ext(ctx, q, pos, freq_factors, (int)hd, GGML_ROPE_TYPE_NEOX, n_ctx_orig, base, 1.0f, 0.0f, 1.0f,
                       0.0f, 0.0f);
@@ -138,7 +163,7 @@ static struct ggml_tensor *build_attention(struct ggml_context *ctx, struct ggml
                                             (size_t)span.first * vc->nb[0]);  // [S, hd, nkv]
     struct ggml_tensor *kqv = ggml_mul_mat(ctx, vals, kq);                      // [hd, T, nh]
     struct ggml_tensor *out = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), hd * nh, T);
-    return dg_build_weight_matmul(ctx, L->wo, out);
+    return dg_build_weight_matmul(ctx, L->wo, out, fast);
 }
 
 // One layer (docs/model.md#block-assembly). Encoder: causal mask + encoder λ; decoder: no mask + decoder λ.
@@ -154,9 +179,9 @@ struct ggml_tensor *dg_build_layer(struct ggml_context *ctx, struct ggml_cgraph 
     struct ggml_tensor *a = ggml_add(ctx, x, dg_build_rmsw(ctx, m, o, L->post_attn_norm));
 
     struct ggml_tensor *u = dg_build_rmsw(ctx, m, a, L->ffn_norm);
-    struct ggml_tensor *h1 = dg_build_rmsw(ctx, m, dg_build_gated_mlp(ctx, u, L->ffn_gate, L->ffn_up, L->ffn_down),
-                                           L->post_ffw_norm_1);
-    struct ggml_tensor *h2 = dg_build_rmsw(ctx, m, build_moe(ctx, m, L, a), L->post_ffw_norm_2);
+    struct ggml_tensor *mlp = dg_build_gated_mlp(ctx, u, L->ffn_gate, L->ffn_up, L->ffn_down, dg_unit_fast(m, il));
+    struct ggml_tensor *h1 = dg_build_rmsw(ctx, m, mlp, L->post_ffw_norm_1);
+    struct ggml_tensor *h2 = dg_build_rmsw(ctx, m, build_moe(ctx, m, il, a), L->post_ffw_norm_2);
     struct ggml_tensor *y = ggml_add(ctx, a, dg_build_rmsw(ctx, m, ggml_add(ctx, h1, h2), L->post_ffw_norm));
     return ggml_mul(ctx, y, encoder ? L->enc_scale : L->dec_scale);
 }

@@ -402,16 +402,17 @@ static bool bind_tensors(loader *ld) {
     return true;
 }
 
-// Self-conditioning contracts soft probabilities [V] with the embedding, so it needs E with V as the contiguous
-// dimension. F32 files get an exact F32 copy; any other type gets F16 (half the memory of F32; the probabilities
-// are then rounded to F16 by ggml's matmul, well within quantisation noise).
+// Self-conditioning contracts soft probabilities [V] with the embedding, so ggml's matmul needs E with V as the
+// contiguous dimension. F32 files get an exact F32 copy at load (what the fidelity goldens were recorded with). Any
+// other type is read where it lies by the CPU's soft-embedding op (soft_embedding.c), which costs no memory; only
+// when self-conditioning runs off that op (on an accelerator, or the standard-op graph) does placement ask for an F16
+// copy (half the memory of F32; the probabilities are then rounded to F16 by ggml's matmul, within quantisation noise).
 // ggml's F32 GEMM has no blocking along the contraction and slows down ~3x at V = 32768, so the copy is split into
 // sc_chunks slices of sc_chunk vocabulary rows, ne [sc_chunk, H, sc_chunks] (zero rows pad the last slice); the
 // step multiplies slice by slice and sums. At most SC_MAX_CHUNKS slices bound the partial sums' memory.
 enum { SC_MIN_CHUNK = 2048, SC_MAX_CHUNKS = 32 };
 
-static bool make_transposed_embedding(loader *ld) {
-    dg_model *m = ld->m;
+bool dg_make_transposed_embedding(dg_model *m, char *err, size_t err_len) {
     const int64_t V = m->hp.n_vocab, H = m->hp.n_embd;
     const enum ggml_type src_type = m->tok_embd->type;
     const enum ggml_type dst_type = src_type == GGML_TYPE_F32 ? GGML_TYPE_F32 : GGML_TYPE_F16;
@@ -424,15 +425,16 @@ static bool make_transposed_embedding(loader *ld) {
     struct ggml_init_params ip = {ggml_tensor_overhead() * 4, NULL, true};
     m->ctx_extra = ggml_init(ip);
     if (!m->ctx_extra) {
-        dg_set_err(ld->err, ld->err_len, "out of memory");
+        dg_set_err(err, err_len, "out of memory");
         return false;
     }
     m->embd_t = ggml_new_tensor_3d(m->ctx_extra, dst_type, KC, H, m->sc_chunks);
     ggml_set_name(m->embd_t, "token_embd_t");
     m->buf_extra = ggml_backend_alloc_ctx_tensors_from_buft(m->ctx_extra, ggml_backend_cpu_buffer_type());
     if (!m->buf_extra) {
-        dg_set_err(ld->err, ld->err_len, "cannot allocate %.1f MiB for the transposed embedding",
+        dg_set_err(err, err_len, "cannot allocate %.1f MiB for the transposed embedding",
                    ggml_nbytes(m->embd_t) / 1048576.0);
+        m->embd_t = NULL;
         return false;
     }
     const ggml_to_float_t to_float = ggml_get_type_traits(src_type)->to_float;
@@ -440,7 +442,7 @@ static bool make_transposed_embedding(loader *ld) {
     enum { BLOCK = 64 };
     float *tmp = malloc(sizeof(float) * BLOCK * (size_t)H);
     if (!tmp) {
-        dg_set_err(ld->err, ld->err_len, "out of memory");
+        dg_set_err(err, err_len, "out of memory");
         return false;
     }
     const char *src = m->tok_embd->data;
@@ -468,7 +470,7 @@ static bool make_transposed_embedding(loader *ld) {
     return true;
 }
 
-dg_model *dg_model_load_impl(const char *path, int n_threads, char *err, size_t err_len) {
+dg_model *dg_model_load_impl(const char *path, int n_threads, bool check_only, char *err, size_t err_len) {
     if (err && err_len) err[0] = 0;
     dg_model *m = calloc(1, sizeof(dg_model));
     if (!m) {
@@ -511,6 +513,7 @@ dg_model *dg_model_load_impl(const char *path, int n_threads, char *err, size_t 
         goto fail;
     }
     if (!read_hparams(&ld) || !bind_tensors(&ld)) goto fail;
+    if (check_only) return m;  // every check a load makes is done; what follows allocates and cannot fail on the file
 
     // point every file tensor at its bytes inside the mapping (no copy: RSS grows only with pages touched)
     m->buf_file = ggml_backend_cpu_buffer_from_ptr(m->map, m->map_size);
@@ -528,7 +531,7 @@ dg_model *dg_model_load_impl(const char *path, int n_threads, char *err, size_t 
         }
         ggml_backend_tensor_alloc(m->buf_file, t, (char *)m->map + off);
     }
-    if (m->hp.has_self_cond && !make_transposed_embedding(&ld)) goto fail;
+    if (m->hp.has_self_cond && m->tok_embd->type == GGML_TYPE_F32 && !dg_make_transposed_embedding(m, err, err_len)) goto fail;
     m->embd_scale = sqrtf((float)m->hp.n_embd);
     return m;
 fail:
@@ -538,6 +541,7 @@ fail:
 
 void dg_model_free_impl(dg_model *m) {
     if (!m) return;
+    dg_placement_free(&m->place);
     if (m->buf_extra) ggml_backend_buffer_free(m->buf_extra);
     if (m->ctx_extra) ggml_free(m->ctx_extra);
     if (m->buf_file) ggml_backend_buffer_free(m->buf_file);

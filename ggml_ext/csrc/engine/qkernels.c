@@ -250,7 +250,8 @@ static bool weight_ok(struct ggml_tensor *w, struct ggml_tensor *x, dg_qk_path p
     return path != DG_QK_OFF && kernel_for(path, w->type) && qtype_of(w->type, q) && dg_qk_supports(w->type, w->ne[0]) &&
            x->type == GGML_TYPE_F32 && x->ne[0] == w->ne[0] && x->nb[0] == sizeof(float) &&
            w->nb[1] == ggml_row_size(w->type, w->ne[0]) && w->nb[2] >= w->nb[1] * (size_t)w->ne[1] &&
-           w->ne[1] > 0 && w->ne[3] == 1 && x->ne[3] == 1;
+           w->ne[1] > 0 && w->ne[3] == 1 && x->ne[3] == 1 &&
+           (!w->buffer || ggml_backend_buffer_is_host(w->buffer));  // a CPU kernel never reads device memory
 }
 
 struct ggml_tensor *dg_build_qexpert_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
@@ -274,8 +275,9 @@ struct ggml_tensor *dg_build_qmatmul(struct ggml_context *ctx, struct ggml_tenso
                           pack(w->type, path));
 }
 
-struct ggml_tensor *dg_build_weight_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x) {
-    struct ggml_tensor *q = dg_build_qmatmul(ctx, w, x, dg_qk_default_path());
+struct ggml_tensor *dg_build_weight_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
+                                           bool fast) {
+    struct ggml_tensor *q = fast ? dg_build_qmatmul(ctx, w, x, dg_qk_default_path()) : NULL;
     return q ? q : ggml_mul_mat(ctx, w, x);
 }
 

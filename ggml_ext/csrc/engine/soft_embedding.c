@@ -1,0 +1,247 @@
+// Self-conditioning's soft embedding P·E contracted over the vocabulary in the embedding's stored layout.
+//
+// Why: P [n, V] (probabilities) times E [V, H] contracts over E's rows, but ggml's matmul contracts over the contiguous
+// dimension, so the engine used to keep a transposed copy of E: 1.5 GB in F16 at the released vocabulary, more than a
+// third of a Q4_K_M file's size on top of it. This op reads E where it lies (any type ggml can dequantize): panels of
+// KC vocabulary rows × NC columns are dequantized to F32 into a small per-thread buffer, then multiplied into register
+// tiles of MR tokens × NR columns. Every product and sum is F32 (the copy rounded P to F16).
+//
+// Threads: the vocabulary is cut into `slices` ranges; a thread owns whole slices and writes each one's partial sums
+// to its own [H, n] plane of the output, which the graph then adds in slice order (no barrier inside the op).
+// F32 embeddings keep the exact transposed copy (model.c), whose results the fidelity goldens were recorded with.
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define DG_X86 1
+#endif
+
+enum { KC = 128, NC = 256, MR = 6, NR = 16 };  // NC is a multiple of every ggml block size (32 and 256)
+
+// One panel: KC vocabulary rows × NC embedding columns, both operands packed so that a tile reads contiguous memory.
+typedef struct {
+    const float *a;   // probabilities: token block t0 / MR at a + (t0 / MR)·KC·MR, laid out [k][token in block]
+    const float *b;   // dequantized E: column strip j / NR at b + (j / NR)·KC·NR, laid out [k][column in strip]
+    float *y;         // output plane, row t at y + t·ldy
+    size_t ldy;
+    int64_t kc, nc;   // panel rows and columns in use (a strip past nc is zero-padded)
+} panel;
+
+// y[t][j0 + c] += Σ_k a·b for the tokens [t0, t0 + mr) of one strip's first nr columns, scalar.
+static void tile_scalar(const panel *pn, int64_t t0, int mr, int64_t j0, int nr) {
+    const float *a = pn->a + (size_t)(t0 / MR) * KC * MR, *b = pn->b + (size_t)(j0 / NR) * KC * NR;
+    for (int i = 0; i < mr; i++) {
+        float *yr = pn->y + (size_t)(t0 + i) * pn->ldy + j0;
+        for (int c = 0; c < nr; c++) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < pn->kc; k++) acc += a[k * MR + i] * b[k * NR + c];
+            yr[c] += acc;
+        }
+    }
+}
+
+static void panel_scalar(const panel *pn, int64_t n) {
+    for (int64_t j = 0; j < pn->nc; j += NR)
+        for (int64_t t0 = 0; t0 < n; t0 += MR)
+            tile_scalar(pn, t0, n - t0 < MR ? (int)(n - t0) : MR, j, pn->nc - j < NR ? (int)(pn->nc - j) : NR);
+}
+
+#ifdef DG_X86
+// MR_ tokens × one 16-column strip in 2·MR_ ymm accumulators; MR_ is a constant after inlining. The strip (8 KiB)
+// stays in L1 while the token blocks stream past it.
+__attribute__((target("avx2,fma"), always_inline)) static inline void tile_avx2(const panel *pn, int64_t t0,
+                                                                                 const int MR_, int64_t j, int nr) {
+    __m256 acc[MR][2];
+    for (int i = 0; i < MR_; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const float *b = pn->b + (size_t)(j / NR) * KC * NR, *ap = pn->a + (size_t)(t0 / MR) * KC * MR;
+    const int64_t kc = pn->kc;
+    for (int64_t k = 0; k < kc; k++, b += NR, ap += MR) {
+        const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+        for (int i = 0; i < MR_; i++) {
+            const __m256 a = _mm256_broadcast_ss(ap + i);
+            acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
+        }
+    }
+    // the last strip of a width that is not a multiple of 16 is stored under a mask (a spill to a temporary array
+    // would keep every accumulator in memory inside the loop above)
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr), lane);
+    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr - 8), lane);
+    for (int i = 0; i < MR_; i++) {
+        float *yr = pn->y + (size_t)(t0 + i) * pn->ldy + j;
+        if (nr == NR) {
+            _mm256_storeu_ps(yr, _mm256_add_ps(_mm256_loadu_ps(yr), acc[i][0]));
+            _mm256_storeu_ps(yr + 8, _mm256_add_ps(_mm256_loadu_ps(yr + 8), acc[i][1]));
+        } else {
+            _mm256_maskstore_ps(yr, m0, _mm256_add_ps(_mm256_maskload_ps(yr, m0), acc[i][0]));
+            _mm256_maskstore_ps(yr + 8, m1, _mm256_add_ps(_mm256_maskload_ps(yr + 8, m1), acc[i][1]));
+        }
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void panel_avx2(const panel *pn, int64_t n) {
+    for (int64_t j = 0; j < pn->nc; j += NR) {
+        const int nr = pn->nc - j < NR ? (int)(pn->nc - j) : NR;
+        for (int64_t t0 = 0; t0 < n; t0 += MR) {
+            switch (n - t0 < MR ? n - t0 : MR) {  // constant tile heights, so the accumulators stay in registers
+                case 6: tile_avx2(pn, t0, 6, j, nr); break;
+                case 5: tile_avx2(pn, t0, 5, j, nr); break;
+                case 4: tile_avx2(pn, t0, 4, j, nr); break;
+                case 3: tile_avx2(pn, t0, 3, j, nr); break;
+                case 2: tile_avx2(pn, t0, 2, j, nr); break;
+                default: tile_avx2(pn, t0, 1, j, nr); break;
+            }
+        }
+    }
+}
+#endif
+
+// ---- dequantization of E's rows ---------------------------------------------------------------------------------
+// ggml's own to_float (ggml-base) is built for any x86-64, so it runs scalar; at n = 256 tokens that alone took as
+// long as the products. The two types the converter gives an embedding (Q6_K in the K mixes, Q8_0) are dequantized
+// here with the same arithmetic, element for element (a product of the block scale, the sub-scale and the integer,
+// in that order; no sums), in loops the compiler vectorizes for AVX2; the results are bit-identical (tested).
+
+typedef struct {
+    ggml_fp16_t d;
+    int8_t qs[32];
+} block_q8_0_layout;
+
+typedef struct {
+    uint8_t ql[128];  // low four bits of the 6-bit quants
+    uint8_t qh[64];   // high two bits
+    int8_t scales[16];
+    ggml_fp16_t d;
+} block_q6_K_layout;
+
+_Static_assert(sizeof(block_q8_0_layout) == 34 && sizeof(block_q6_K_layout) == 210, "ggml block layouts");
+
+#define DEFINE_DEQUANT(SUFFIX, TARGET)                                                                              \
+    TARGET static void dequant_q8_0_##SUFFIX(const void *src, float *y, int64_t k) {                               \
+        const block_q8_0_layout *b = src;                                                                           \
+        for (int64_t i = 0; i < k / 32; i++) {                                                                      \
+            const float d = ggml_fp16_to_fp32(b[i].d);                                                              \
+            for (int j = 0; j < 32; j++) y[i * 32 + j] = (float)b[i].qs[j] * d;                                     \
+        }                                                                                                           \
+    }                                                                                                               \
+    TARGET static void dequant_q6_K_##SUFFIX(const void *src, float *y, int64_t k) {                               \
+        const block_q6_K_layout *b = src;                                                                           \
+        for (int64_t i = 0; i < k / 256; i++, y += 256) {                                                           \
+            const float d = ggml_fp16_to_fp32(b[i].d);                                                              \
+            for (int half = 0; half < 2; half++) {                                                                  \
+                const uint8_t *ql = b[i].ql + 64 * half, *qh = b[i].qh + 32 * half;                                 \
+                const int8_t *sc = b[i].scales + 8 * half;                                                          \
+                float *yh = y + 128 * half;                                                                         \
+                for (int g = 0; g < 2; g++) { /* 16 quants share each sub-scale: d·scale first, as ggml does */   \
+                    const float s1 = d * sc[g], s2 = d * sc[g + 2], s3 = d * sc[g + 4], s4 = d * sc[g + 6];           \
+                    for (int l = 16 * g; l < 16 * g + 16; l++) {                                                    \
+                        const int q1 = (ql[l] & 0xF) | ((qh[l] & 3) << 4), q2 = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4); \
+                        const int q3 = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), q4 = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4); \
+                        yh[l] = s1 * (float)(q1 - 32);                                                              \
+                        yh[l + 32] = s2 * (float)(q2 - 32);                                                         \
+                        yh[l + 64] = s3 * (float)(q3 - 32);                                                         \
+                        yh[l + 96] = s4 * (float)(q4 - 32);                                                         \
+                    }                                                                                               \
+                }                                                                                                   \
+            }                                                                                                       \
+        }                                                                                                           \
+    }
+
+DEFINE_DEQUANT(portable, )
+#ifdef DG_X86
+DEFINE_DEQUANT(avx2, __attribute__((target("avx2,fma"))))
+#endif
+
+// The row dequantizer for `type` (NULL: a plain copy of F32).
+ggml_to_float_t dg_row_dequantizer(enum ggml_type type, bool avx2) {
+    switch (type) {
+        case GGML_TYPE_F32: return NULL;
+#ifdef DG_X86
+        case GGML_TYPE_Q8_0: return avx2 ? dequant_q8_0_avx2 : dequant_q8_0_portable;
+        case GGML_TYPE_Q6_K: return avx2 ? dequant_q6_K_avx2 : dequant_q6_K_portable;
+#else
+        case GGML_TYPE_Q8_0: return dequant_q8_0_portable;
+        case GGML_TYPE_Q6_K: return dequant_q6_K_portable;
+#endif
+        default: return ggml_get_type_traits(type)->to_float;
+    }
+}
+
+int dg_soft_embedding_isa(void) {
+#ifdef DG_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+#endif
+    return 0;
+}
+
+// dst [H, n, slices]; src[0] = E [H, V] (any dequantizable type), src[1] = P [V, n] F32 contiguous rows.
+static void soft_embedding_op(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    const struct ggml_tensor *e = dst->src[0], *p = dst->src[1];
+    const int64_t H = e->ne[0], V = e->ne[1], n = p->ne[1], slices = dst->ne[2];
+    const bool avx2 = (intptr_t)userdata == 1;
+    const ggml_to_float_t to_float = dg_row_dequantizer(e->type, avx2);
+    const int64_t blck = ggml_blck_size(e->type);
+    const size_t type_size = ggml_type_size(e->type);
+    // per thread: the packed panel of E (128 KiB), one dequantized row, and the packed probabilities of the panel's
+    // rows (KC per token; P's rows lie V floats apart, a stride that maps them all onto the same cache sets)
+    const int64_t n_blocks = (n + MR - 1) / MR;
+    float *buf = aligned_alloc(64, sizeof(float) * (KC * NC + NC + (size_t)(n_blocks * KC * MR)));
+    if (!buf) abort();  // a custom op cannot fail; without these few hundred KiB the process is lost anyway
+    float *row_f32 = buf + KC * NC, *packed = row_f32 + NC;
+    const float *probs = p->data;
+    const size_t ldp = p->nb[1] / sizeof(float);
+    for (int64_t s = ith; s < slices; s += nth) {
+        float *y = (float *)((char *)dst->data + (size_t)s * dst->nb[2]);
+        memset(y, 0, sizeof(float) * (size_t)(H * n));
+        const int64_t v_end = V * (s + 1) / slices;
+        for (int64_t v0 = V * s / slices; v0 < v_end; v0 += KC) {
+            const int64_t kc = v_end - v0 < KC ? v_end - v0 : KC;
+            for (int64_t t = 0; t < n_blocks * MR; t++) {  // rows past n are zeros, never stored
+                float *dst = packed + (size_t)(t / MR) * KC * MR + t % MR;
+                for (int64_t k = 0; k < kc; k++) dst[k * MR] = t < n ? probs[(size_t)t * ldp + v0 + k] : 0.0f;
+            }
+            for (int64_t h0 = 0; h0 < H; h0 += NC) {
+                const int64_t nc = H - h0 < NC ? H - h0 : NC;
+                memset(row_f32, 0, sizeof(float) * NC);  // zero padding of the last strip stays zero
+                for (int64_t k = 0; k < kc; k++) {
+                    const char *row = (const char *)e->data + (size_t)(v0 + k) * e->nb[1] + (size_t)(h0 / blck) * type_size;
+                    if (!to_float) memcpy(row_f32, row, sizeof(float) * (size_t)nc);
+                    else to_float(row, row_f32, nc);
+                    for (int64_t j = 0; j < nc; j += NR) memcpy(buf + (size_t)(j / NR) * KC * NR + k * NR, row_f32 + j, sizeof(float) * NR);
+                }
+                const panel pn = {packed, buf, y + h0, (size_t)H, kc, nc};
+#ifdef DG_X86
+                if (avx2) panel_avx2(&pn, n);
+                else panel_scalar(&pn, n);
+#else
+                (void)avx2;
+                panel_scalar(&pn, n);
+#endif
+            }
+        }
+    }
+    free(buf);
+}
+
+// isa: 0 portable C, 1 AVX2 + FMA (dg_soft_embedding_isa() is the best this CPU runs).
+struct ggml_tensor *dg_build_soft_embedding(struct ggml_context *ctx, struct ggml_tensor *embd, struct ggml_tensor *p,
+                                            int slices, int isa) {
+    GGML_ASSERT(p->type == GGML_TYPE_F32 && ggml_is_contiguous(p) && p->ne[0] == embd->ne[1] && p->ne[2] == 1);
+    GGML_ASSERT(embd->ne[0] % ggml_blck_size(embd->type) == 0 && embd->ne[2] == 1 &&
+                (embd->type == GGML_TYPE_F32 || ggml_get_type_traits(embd->type)->to_float));
+    if (slices < 1) slices = 1;
+    struct ggml_tensor *args[2] = {embd, p};
+    struct ggml_tensor *parts = ggml_custom_4d(ctx, GGML_TYPE_F32, embd->ne[0], p->ne[1], slices, 1, args, 2,
+                                               soft_embedding_op, GGML_N_TASKS_MAX,
+                                               (void *)(intptr_t)(isa == 1 && dg_soft_embedding_isa() == 1));
+    struct ggml_tensor *sum = ggml_view_2d(ctx, parts, parts->ne[0], parts->ne[1], parts->nb[1], 0);
+    for (int s = 1; s < slices; s++) {
+        sum = ggml_add(ctx, sum, ggml_view_2d(ctx, parts, parts->ne[0], parts->ne[1], parts->nb[1], (size_t)s * parts->nb[2]));
+    }
+    return sum;
+}
