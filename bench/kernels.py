@@ -1,6 +1,7 @@
 """The engine's quantized product kernels against ggml's own ops and numpy's F32 GEMM, on the models' weight shapes.
 
-    python3 bench/kernels.py [--threads 2] [--types q8_0,q4_K,q6_K,q5_0,iq4_nl,iq4_xs] [--shapes real6,mid] [--reps 3] [--json out]
+    python3 bench/kernels.py [--threads 2] [--cpu-time] [--types q8_0,q4_K,q6_K,q5_0,iq4_nl,iq4_xs]
+                             [--shapes real6,mid] [--only NAME] [--reps 3] [--json out]
 
 For each weight shape and type: ggml's mul_mat_id (experts) or mul_mat (dense) on random weights quantized by ggml,
 the engine's kernels on the same shape (dgemma_engine's dg_bench_mul_mat with engine_op set; DGEMMA_QKERNELS picks
@@ -120,7 +121,8 @@ def main() -> None:
     report = {"cpu": cpu_description(), "threads": args.threads, "clock": "cpu" if args.cpu_time else "wall",
               "path": os.environ.get("DGEMMA_QKERNELS", "auto"), "rows": []}
     print(report["cpu"], f"| {args.threads} threads | {report['clock']} time | DGEMMA_QKERNELS={report['path']}")
-    print(f"{'shape':<28} {'type':<5} {'ggml GF/s':>9} {'ours GF/s':>9} {'numpy F32':>9} {'ours/ggml':>9} {'ours/F32':>8}")
+    print(f"{'shape':<28} {'type':<5} {'ggml GF/s':>9} {'ours GF/s':>9} {'numpy F32':>9} {'ours/ggml':>9} "
+          f"{'ours/F32':>8}")
     for group, s in shapes:
         flop = 2.0 * s.kd * s.m * s.tokens * (s.n_used or 1)
         f32 = f32_rate[id(s)]

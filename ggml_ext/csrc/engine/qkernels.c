@@ -247,7 +247,8 @@ static void product_op(struct ggml_tensor *dst, int ith, int nth, void *userdata
 }
 
 static bool weight_ok(struct ggml_tensor *w, struct ggml_tensor *x, dg_qk_path path, qtype *q) {
-    return path != DG_QK_OFF && kernel_for(path, w->type) && qtype_of(w->type, q) && dg_qk_supports(w->type, w->ne[0]) &&
+    return path != DG_QK_OFF && kernel_for(path, w->type) && qtype_of(w->type, q) &&
+           dg_qk_supports(w->type, w->ne[0]) &&
            x->type == GGML_TYPE_F32 && x->ne[0] == w->ne[0] && x->nb[0] == sizeof(float) &&
            w->nb[1] == ggml_row_size(w->type, w->ne[0]) && w->nb[2] >= w->nb[1] * (size_t)w->ne[1] &&
            w->ne[1] > 0 && w->ne[3] == 1 && x->ne[3] == 1 &&

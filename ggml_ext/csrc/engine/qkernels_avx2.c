@@ -4,10 +4,12 @@
 // Per type the weight side (load, unpack, scales) is done once per row and tile, and the activation side once per
 // activation row and block; only the multiply-adds are done per (row, activation row). The weight rows go in chunks
 // of DG_QK_ROW_CHUNK (their scales decoded once into the scratch): a tile of activation rows is multiplied with
-// every row of the chunk, so it stays in L1 while the chunk's weights (tens of KiB) come from L2. Where the weights unpack to
+// every row of the chunk, so it stays in L1 while the chunk's weights (tens of KiB) come from L2.
+// Where the weights unpack to
 // small unsigned integers (Q5_0: 0..31, Q4_K: 0..15, Q6_K: 0..63) they are the unsigned operand of vpmaddubsw and
 // the offset is taken back out with the activation block sums; Q8_0 and IQ4 weights are signed, so the sign moves
-// onto the activations (|w| × sign(x, w)), as in ggml. Compiled with target attributes and chosen at run time (qkernels.c).
+// onto the activations (|w| × sign(x, w)), as in ggml. Compiled with target attributes and chosen at run time
+// (qkernels.c).
 #include <string.h>
 
 #include "qkernels.h"
@@ -292,7 +294,8 @@ INLINE void q6_K_tile(const dg_block_q6_K *w, const uint8_t **x, float **y, int6
 TARGET static void q6_K_job(const dg_qk_job *job) {
     for (int64_t j0 = job->n0; j0 < job->n1; j0 += DG_QK_ROW_CHUNK) {
         const int64_t j1 = j0 + DG_QK_ROW_CHUNK < job->n1 ? j0 + DG_QK_ROW_CHUNK : job->n1;
-#define Q6_K_TILE(n) for (int64_t j = j0; j < j1; j++) q6_K_tile(W_ROW(dg_block_q6_K, j), job->x + r, job->y + r, j, job->nb, n)
+#define Q6_K_TILE(n) \
+    for (int64_t j = j0; j < j1; j++) q6_K_tile(W_ROW(dg_block_q6_K, j), job->x + r, job->y + r, j, job->nb, n)
         FOR_EACH_TILE(6, job->n_rows, Q6_K_TILE);
 #undef Q6_K_TILE
     }
@@ -302,7 +305,9 @@ TARGET static void q6_K_job(const dg_qk_job *job) {
 // IQ4_NL (× Q8_0 activations) and IQ4_XS (× Q8_K): 4-bit indices into a signed 16-value grid, looked up with
 // vpshufb; the values are signed, so as for Q8_0 the sign moves onto the activations
 
-INLINE __m256i iq4_grid(void) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)dg_qk_iq4_values)); }
+INLINE __m256i iq4_grid(void) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)dg_qk_iq4_values));
+}
 
 // 16 bytes of indices -> the 32 values of one 32-element block (low nibbles first, then high nibbles)
 INLINE __m256i iq4_values16(const uint8_t *qs, __m256i grid) {
