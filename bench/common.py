@@ -36,3 +36,24 @@ def model_vocab_size(model: Path) -> int:
     if not model.is_dir():
         sys.exit(f"{model} not found: run bench/make_bench_model.py first")
     return json.loads((model / "config.json").read_text())["text_config"]["vocab_size"]
+
+
+def build_synthetic(config: Path, out: Path, layers: int | None = None) -> Path:
+    """A random-bf16 checkpoint of `config`'s geometry (bench/configs/*.json), written tensor by tensor without torch
+    (tests/synthetic_checkpoint.py); `layers` keeps the pattern's first layers, ending on a full-attention one as every
+    DiffusionGemma does. Reused when `out` exists."""
+    if (out / "config.json").exists():
+        return out
+    sys.path.insert(0, str(REPO / "tests"))
+    from synthetic_checkpoint import write_synthetic_checkpoint
+
+    raw = json.loads(config.read_text())
+    text = raw["text_config"]
+    if layers is not None:
+        text = {**text, "num_hidden_layers": layers,
+                "layer_types": text["layer_types"][:layers - 1] + ["full_attention"]}
+    write_synthetic_checkpoint(out, text, dtype="BF16", n_shards=max(1, text["num_hidden_layers"]), fast=True)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["canvas_length"] = raw.get("canvas_length", 256)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out

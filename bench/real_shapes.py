@@ -25,9 +25,6 @@ import numpy as np
 
 import common
 
-sys.path.insert(0, str(common.REPO / "tests"))
-from synthetic_checkpoint import write_synthetic_checkpoint  # noqa: E402
-
 CONFIG = common.CONFIGS / "bench-real6.json"
 PROMPT_TOKENS = 256
 
@@ -42,21 +39,6 @@ def cpu_description() -> dict:
             flags = set(value.split())
     wanted = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8"]
     return {"name": name, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
-
-
-def build_checkpoint(layers: int, out: Path) -> Path:
-    if (out / "config.json").exists():
-        return out
-    text = json.loads(CONFIG.read_text())["text_config"]
-    # the released pattern's first layers, ending on a full-attention layer as every DiffusionGemma does
-    text = {**text, "num_hidden_layers": layers, "layer_types": text["layer_types"][:layers - 1] + ["full_attention"]}
-    started = time.monotonic()
-    write_synthetic_checkpoint(out, text, dtype="BF16", n_shards=max(1, layers), fast=True)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["canvas_length"] = 256
-    (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    print(f"built {out} in {time.monotonic() - started:.0f} s", flush=True)
-    return out
 
 
 def convert(ckpt: Path, outtype: str, out: Path, threads: int) -> float | None:
@@ -115,7 +97,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     text = json.loads(CONFIG.read_text())["text_config"]
-    ckpt = build_checkpoint(a.layers, a.workdir / f"real6-L{a.layers}")
+    ckpt = common.build_synthetic(CONFIG, a.workdir / f"real6-L{a.layers}", a.layers)
     report = {"cpu": cpu_description(), "threads": a.threads, "layers": a.layers,
               "numpy_sgemm_gflops_lm_head_shape": sgemm_rate(text["hidden_size"], 16384, 256), "types": {}}
     for outtype in a.types.split(","):

@@ -6,7 +6,9 @@ Starts two `python -m dgemma_engine.rpc_server` processes on 127.0.0.1 (free por
 loads the model twice: `num_gpu 0` (the CPU alone) and a third of the layers on each device (the CPU keeps the first
 third; the output goes with the last RPC server). For each it times one self-conditioned decoder step (the median of
 --repeats, after an encoder pass over --ctx tokens) and checks that the split's logits agree with the CPU's.
-`--fixture` runs on tests/fixtures/tiny-a instead of bench-mid (seconds; what CI-sized machines can afford).
+`--fixture` runs on tests/fixtures/tiny-a instead of bench-mid (seconds; what CI-sized machines can afford);
+`--synthetic` builds a random-bf16 checkpoint of bench-mid's geometry without torch (bench/common.py) when --model is
+missing.
 
 On one machine the servers share its cores with this process, so the split measures the cost of the RPC boundary
 (every step sends each split's graph and copies activations between devices), not a speed-up: that needs servers on
@@ -80,7 +82,10 @@ def main() -> None:
     ap.add_argument("--canvas", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fixture", action="store_true", help="tests/fixtures/tiny-a instead of bench-mid")
+    ap.add_argument("--synthetic", action="store_true", help="build bench-mid's geometry without torch if missing")
     args = ap.parse_args()
+    if args.synthetic and not args.fixture:
+        common.build_synthetic(common.CONFIGS / "bench-mid.json", args.model)
     model = common.REPO / "tests" / "fixtures" / "tiny-a" if args.fixture else args.model
     vocab = common.model_vocab_size(model)
     canvas_len = json.loads((model / "config.json").read_text()).get("canvas_length") if args.fixture else None
