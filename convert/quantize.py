@@ -18,6 +18,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, LlamaFileType as FT, GGMLQuantizationType as T
 
 from dgemma_convert.errors import ConvertError
+from dgemma_convert.fast_quant import FastQuantizer, load_fast_quantizer
 from dgemma_convert.tensor_map import TensorSpec, float_type, is_quantizable
 
 
@@ -113,11 +114,15 @@ def choose_types(specs: Sequence[TensorSpec], n_layer: int, out: OutType) -> lis
 
 
 class GGMLQuantizer:
-    """`ggml_quantize_chunk` of llama-cpp-python's ggml, run over row ranges on a few threads."""
+    """`ggml_quantize_chunk` of llama-cpp-python's ggml, run over row ranges on a few threads.
 
-    def __init__(self, threads: int = 2):
+    Q4_K and Q5_K go to dgemma's faster quantizers where the CPU has them (dgemma_convert.fast_quant): same bytes.
+    """
+
+    def __init__(self, threads: int = 2, fast: bool = True):
         self.threads = max(1, threads)
         self._lib = _load_ggml_base()
+        self._fast: FastQuantizer | None = load_fast_quantizer() if fast else None
         self._initialized: set[T] = set()
 
     def row_size(self, t: T, row_length: int) -> int:
@@ -134,12 +139,14 @@ class GGMLQuantizer:
             self._initialized.add(t)
         row_bytes = self.row_size(t, row_length)
         out = np.empty(n_rows * row_bytes, dtype=np.uint8)
+        fast = self._fast if self._fast is not None and t in self._fast.types else None
 
         def run(part: tuple[int, int]) -> int:
             first, count = part
             src = rows.ctypes.data + first * row_length * 4
             dst = out.ctypes.data + first * row_bytes
-            return self._lib.ggml_quantize_chunk(int(t), src, dst, 0, count, row_length, None)
+            written = fast.quantize(t, src, dst, count, row_length) if fast is not None else 0
+            return written or self._lib.ggml_quantize_chunk(int(t), src, dst, 0, count, row_length, None)
 
         step = max(1, -(-n_rows // self.threads))
         parts = [(first, min(step, n_rows - first)) for first in range(0, n_rows, step)]
