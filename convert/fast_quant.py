@@ -1,4 +1,4 @@
-"""dgemma's own Q4_K/Q5_K quantizers (convert/csrc/kquant_fast.c), byte-identical to ggml's and several times faster.
+"""dgemma's own Q4_K/Q5_K/Q6_K quantizers (convert/csrc/kquant_fast.c), byte-identical to ggml's and several times faster.
 
 They run ggml's reference arithmetic with the 8 sub-blocks of a super-block side by side in AVX2 lanes
 (docs/convert.md#fast-k-quants). Loaded with ctypes after ggml; `load_fast_quantizer()` is None where the library is
@@ -25,7 +25,7 @@ class FastQuantizer:
         lib.dgq_quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         lib.dgq_quantize.restype = ctypes.c_size_t
         self._lib = lib
-        self.types = frozenset(t for t in (T.Q4_K, T.Q5_K) if lib.dgq_supported(int(t)))
+        self.types = frozenset(t for t in (T.Q4_K, T.Q5_K, T.Q6_K) if lib.dgq_supported(int(t)))
 
     def quantize(self, t: T, src: int, dst: int, n_rows: int, row_length: int) -> int:
         """float32 rows at address src -> t's bytes at dst; returns the bytes written (0: not handled, none written)."""

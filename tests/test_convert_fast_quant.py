@@ -1,4 +1,4 @@
-"""dgemma's AVX2 Q4_K/Q5_K quantizers give exactly ggml_quantize_chunk's bytes, on random and adversarial rows."""
+"""dgemma's AVX2 Q4_K/Q5_K/Q6_K quantizers give exactly ggml_quantize_chunk's bytes, on random and adversarial rows."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType as T
 from dgemma_convert.fast_quant import DISABLE_ENV, load_fast_quantizer
 from dgemma_convert.quantize import GGMLQuantizer
 
-FAST_TYPES = (T.Q4_K, T.Q5_K)
+FAST_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
 ROW = 2816  # the release's hidden size: 11 super-blocks
 
 
@@ -118,7 +118,7 @@ def test_converter_quantizer_uses_the_fast_path_with_the_same_bytes(ggml, fast, 
 def test_unhandled_inputs_write_nothing(fast):
     rows = np.ones((2, 256), dtype=np.float32)
     out = np.zeros(400, dtype=np.uint8)
-    assert fast.quantize(T.Q6_K, rows.ctypes.data, out.ctypes.data, 2, 256) == 0
+    assert fast.quantize(T.Q8_0, rows.ctypes.data, out.ctypes.data, 2, 256) == 0
     assert fast.quantize(T.Q4_K, rows.ctypes.data, out.ctypes.data, 1, 255) == 0
     assert not out.any()
 

@@ -10,6 +10,7 @@
 //
 // Without AVX2 at run time, dgq_quantize returns 0 and the caller uses ggml_quantize_chunk.
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -38,6 +39,14 @@ typedef struct {
     uint8_t qs[QK_K / 2];
 } block_q5_k;
 
+typedef struct {
+    uint8_t ql[QK_K / 2];
+    uint8_t qh[QK_K / 4];
+    int8_t scales[QK_K / 16];
+    uint16_t d;
+} block_q6_k;
+
+_Static_assert(sizeof(block_q6_k) == 210, "block_q6_K layout");
 _Static_assert(sizeof(block_q4_k) == 144, "block_q4_K layout");
 _Static_assert(sizeof(block_q5_k) == 176, "block_q5_K layout");
 
@@ -117,6 +126,24 @@ static void pack_q5(const uint8_t *L, uint8_t *qh, uint8_t *ql) {
         m1 <<= 2;
         m2 <<= 2;
         ql += 32;
+    }
+}
+
+// Q6_K's layout of 256 levels 0..63: low nibbles in ql, the two high bits in qh.
+static void pack_q6(const uint8_t *L, uint8_t *ql, uint8_t *qh) {
+    for (int j = 0; j < QK_K; j += 128) {
+        for (int l = 0; l < 32; ++l) {
+            const uint8_t q1 = L[j + l + 0] & 0xF;
+            const uint8_t q2 = L[j + l + 32] & 0xF;
+            const uint8_t q3 = L[j + l + 64] & 0xF;
+            const uint8_t q4 = L[j + l + 96] & 0xF;
+            ql[l + 0] = q1 | (q3 << 4);
+            ql[l + 32] = q2 | (q4 << 4);
+            qh[l] = (L[j + l] >> 4) | ((L[j + l + 32] >> 4) << 2) | ((L[j + l + 64] >> 4) << 4) |
+                    ((L[j + l + 96] >> 4) << 6);
+        }
+        ql += 64;
+        qh += 32;
     }
 }
 
@@ -277,6 +304,120 @@ AVX2 static void quantize_q5_k_avx2(const float *x, block_q5_k *y, int64_t nb) {
     }
 }
 
+// ---- Q6_K: make_qx_quants(16, 32, x, L, rmse_type 1, no weights) for 8 sub-blocks of 16 at once -------------------
+
+enum { Q6_SUB = 16, Q6_N_SUB = QK_K / Q6_SUB, Q6_NMAX = 32 };
+#define GROUP_MAX_EPS 1e-15f  // ggml-quants.c's threshold for an all-zero group
+
+// Levels at one inverse scale, and the weighted sums (weights x^2): l = clamp(nearest_int(iscale*x), -32, 31).
+AVX2 static inline void q6_levels(const __m256 *x, const __m256 *w, __m256 iscale, __m256i *l, __m256 *sumlx,
+                                  __m256 *suml2) {
+    const __m256i lo = _mm256_set1_epi32(-Q6_NMAX), hi = _mm256_set1_epi32(Q6_NMAX - 1);
+    __m256 slx = _mm256_setzero_ps(), sl2 = _mm256_setzero_ps();
+    for (int i = 0; i < Q6_SUB; ++i) {
+        l[i] = _mm256_max_epi32(lo, _mm256_min_epi32(hi, nearest_int8(_mm256_mul_ps(iscale, x[i]))));
+        const __m256 lf = _mm256_cvtepi32_ps(l[i]);
+        slx = _mm256_add_ps(slx, _mm256_mul_ps(_mm256_mul_ps(w[i], x[i]), lf));  // w*x[i]*l
+        sl2 = _mm256_add_ps(sl2, _mm256_mul_ps(_mm256_mul_ps(w[i], lf), lf));    // w*l*l
+    }
+    *sumlx = slx;
+    *suml2 = sl2;
+}
+
+// x[i] lane j = element i of sub-block j; L[i] gets levels + 32 (0..63); the lanes' scales go to scale_out.
+AVX2 static void q6_search_8(const __m256 *x, __m256i *L, float *scale_out) {
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 w[Q6_SUB];
+    __m256 amax = zero, max = zero;
+    for (int i = 0; i < Q6_SUB; ++i) {
+        const __m256 bigger = _mm256_cmp_ps(_mm256_and_ps(x[i], abs_mask), amax, _CMP_GT_OQ);
+        amax = select8(amax, _mm256_and_ps(x[i], abs_mask), bigger);
+        max = select8(max, x[i], bigger);
+        w[i] = _mm256_mul_ps(x[i], x[i]);
+    }
+    const __m256 all_zero = _mm256_cmp_ps(amax, _mm256_set1_ps(GROUP_MAX_EPS), _CMP_LT_OQ);
+
+    __m256i l[Q6_SUB];
+    __m256 sumlx, suml2;
+    q6_levels(x, w, _mm256_div_ps(_mm256_set1_ps((float)-Q6_NMAX), max), L, &sumlx, &suml2);
+    // scale = suml2 ? sumlx/suml2 : 0
+    __m256 scale = select8(_mm256_div_ps(sumlx, suml2), zero, _mm256_cmp_ps(suml2, zero, _CMP_EQ_OQ));
+    __m256 best = _mm256_mul_ps(scale, sumlx);
+    for (int is = -9; is <= 9; ++is) {
+        if (is == 0) continue;
+        const float grid = -(Q6_NMAX + 0.1f * is);
+        q6_levels(x, w, _mm256_div_ps(_mm256_set1_ps(grid), max), l, &sumlx, &suml2);
+        const __m256 better = _mm256_and_ps(_mm256_cmp_ps(suml2, zero, _CMP_GT_OQ),
+                                            _mm256_cmp_ps(_mm256_mul_ps(sumlx, sumlx), _mm256_mul_ps(best, suml2),
+                                                          _CMP_GT_OQ));
+        if (_mm256_movemask_ps(better) == 0) continue;
+        const __m256i better_i = _mm256_castps_si256(better);
+        for (int i = 0; i < Q6_SUB; ++i) L[i] = _mm256_blendv_epi8(L[i], l[i], better_i);
+        scale = select8(scale, _mm256_div_ps(sumlx, suml2), better);
+        best = select8(best, _mm256_mul_ps(scale, sumlx), better);
+    }
+    const __m256i zero_i = _mm256_castps_si256(all_zero);
+    for (int i = 0; i < Q6_SUB; ++i)  // L = l + nmax, and 0 for an all-zero group
+        L[i] = _mm256_andnot_si256(zero_i, _mm256_add_epi32(L[i], _mm256_set1_epi32(Q6_NMAX)));
+    _mm256_storeu_ps(scale_out, select8(scale, zero, all_zero));
+}
+
+// quantize_row_q6_K_ref for one super-block.
+AVX2 static void q6_superblock(const float *x, block_q6_k *y) {
+    const __m256i stride = _mm256_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112);
+    float scales[Q6_N_SUB];
+    uint8_t L[QK_K];
+    for (int half = 0; half < 2; ++half) {  // sub-blocks 0..7, then 8..15
+        __m256 xt[Q6_SUB];
+        __m256i Lt[Q6_SUB];
+        const float *xh = x + half * 8 * Q6_SUB;
+        for (int i = 0; i < Q6_SUB; ++i) xt[i] = _mm256_i32gather_ps(xh + i, stride, 4);
+        q6_search_8(xt, Lt, scales + half * 8);
+        for (int i = 0; i < Q6_SUB; ++i) {
+            int32_t l[8];
+            _mm256_storeu_si256((__m256i *)l, Lt[i]);
+            for (int j = 0; j < 8; ++j) L[(half * 8 + j) * Q6_SUB + i] = (uint8_t)l[j];
+        }
+    }
+    float max_scale = 0, max_abs_scale = 0;
+    for (int ib = 0; ib < Q6_N_SUB; ++ib) {
+        const float abs_scale = fabsf(scales[ib]);
+        if (abs_scale > max_abs_scale) {
+            max_abs_scale = abs_scale;
+            max_scale = scales[ib];
+        }
+    }
+    if (max_abs_scale < GROUP_MAX_EPS) {
+        memset(y, 0, sizeof(*y));
+        y->d = ggml_fp32_to_fp16(0.f);
+        return;
+    }
+    const float iscale = -128.f / max_scale;
+    y->d = ggml_fp32_to_fp16(1 / iscale);
+    for (int ib = 0; ib < Q6_N_SUB; ++ib) {
+        const int l = nearest_int(iscale * scales[ib]);
+        y->scales[ib] = (int8_t)(l < 127 ? l : 127);
+    }
+    const float d_all = ggml_fp16_to_fp32(y->d);
+    const __m256i lo = _mm256_set1_epi32(-32), hi = _mm256_set1_epi32(31);
+    for (int j = 0; j < Q6_N_SUB; ++j) {
+        const float d = d_all * y->scales[j];
+        if (!d) continue;
+        for (int ii = 0; ii < Q6_SUB; ii += 8) {
+            __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + Q6_SUB * j + ii), _mm256_set1_ps(d));
+            int32_t l[8];
+            _mm256_storeu_si256((__m256i *)l, _mm256_max_epi32(lo, _mm256_min_epi32(hi, nearest_int8(v))));
+            for (int k = 0; k < 8; ++k) L[Q6_SUB * j + ii + k] = (uint8_t)(l[k] + 32);
+        }
+    }
+    pack_q6(L, y->ql, y->qh);
+}
+
+AVX2 static void quantize_q6_k_avx2(const float *x, block_q6_k *y, int64_t nb) {
+    for (int64_t i = 0; i < nb; ++i, x += QK_K) q6_superblock(x, y + i);
+}
+
 static int have_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2");
@@ -288,9 +429,9 @@ static int have_avx2(void) { return 0; }
 
 #endif
 
-// 1 when dgq_quantize handles this GGML type on this CPU (Q4_K, Q5_K with AVX2), else 0.
+// 1 when dgq_quantize handles this GGML type on this CPU (Q4_K, Q5_K, Q6_K with AVX2), else 0.
 DGQ_API int dgq_supported(int type) {
-    return (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K) && have_avx2();
+    return (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K) && have_avx2();
 }
 
 // Quantize n_rows rows of n_per_row floats (a multiple of 256) like ggml_quantize_chunk without an importance
@@ -302,6 +443,10 @@ DGQ_API size_t dgq_quantize(int type, const float *src, void *dst, int64_t n_row
     if (type == GGML_TYPE_Q4_K) {
         quantize_q4_k_avx2(src, (block_q4_k *)dst, nb);
         return (size_t)nb * sizeof(block_q4_k);
+    }
+    if (type == GGML_TYPE_Q6_K) {
+        quantize_q6_k_avx2(src, (block_q6_k *)dst, nb);
+        return (size_t)nb * sizeof(block_q6_k);
     }
     quantize_q5_k_avx2(src, (block_q5_k *)dst, nb);
     return (size_t)nb * sizeof(block_q5_k);
