@@ -126,3 +126,27 @@ def test_unhandled_inputs_write_nothing(fast):
 def test_environment_switches_the_fast_path_off(monkeypatch, ggml):
     monkeypatch.setenv(DISABLE_ENV, "0")
     assert load_fast_quantizer() is None
+
+
+def test_prefetched_keeps_order_and_stops_and_raises():
+    from dgemma_convert.converter import prefetched
+
+    assert list(prefetched(iter(range(50)))) == list(range(50))
+    made = []
+
+    def counting():
+        for i in range(1000):
+            made.append(i)
+            yield i
+
+    items = prefetched(counting(), depth=1)
+    assert next(items) == 0
+    items.close()  # the caller stops early: the producer stops too, at most depth + 1 items made
+    assert len(made) <= 2
+
+    def failing():
+        yield 1
+        raise ValueError("broken shard")
+
+    with pytest.raises(ValueError, match="broken shard"):
+        list(prefetched(failing()))
