@@ -11,6 +11,7 @@ import glob
 import os
 from pathlib import Path
 
+import numpy as np
 from gguf import GGMLQuantizationType as T
 
 DISABLE_ENV = "DGEMMA_FAST_QUANT"
@@ -44,3 +45,19 @@ def load_fast_quantizer() -> FastQuantizer | None:
     except (OSError, AttributeError):
         return None
     return quantizer if quantizer.types else None
+
+
+def probe_rows() -> np.ndarray:
+    """A few rows that reach every branch of the K-quant searches: random, flat, one-signed, sparse and tiny values.
+
+    The converter quantizes them with both quantizers once and uses the fast one only for the types that agree, so
+    a different ggml (another llama-cpp-python) can never change the output bytes.
+    """
+    rng = np.random.default_rng(20260)
+    rows = rng.standard_normal((8, 512)) * np.array([[1e-3], [1.0], [40.0], [1e-6], [1.0], [1.0], [1.0], [1.0]])
+    rows[4] = np.abs(rows[4]) + 0.5  # positive only
+    rows[5] = -np.abs(rows[5])  # negative only
+    rows[6, ::3] = 0.0  # sparse
+    rows[7, :64] = 0.25  # flat sub-blocks
+    rows[7, 64:96] = 0.0
+    return rows.astype(np.float32)

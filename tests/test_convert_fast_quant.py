@@ -111,8 +111,23 @@ def test_inf_and_nan_rows_are_byte_identical(ggml, fast, t):
 @pytest.mark.parametrize("t", FAST_TYPES, ids=lambda t: t.name)
 def test_converter_quantizer_uses_the_fast_path_with_the_same_bytes(ggml, fast, t):
     rows = random_rows(9)[:13]  # odd row count: the two threads get unequal parts
-    assert t in fast.types
-    assert np.array_equal(GGMLQuantizer(threads=2).quantize(t, rows), ggml.quantize(t, rows))
+    converter_quantizer = GGMLQuantizer(threads=2)
+    assert t in converter_quantizer.fast_types  # it passed the probe against ggml
+    assert np.array_equal(converter_quantizer.quantize(t, rows), ggml.quantize(t, rows))
+
+
+def test_a_fast_quantizer_that_disagrees_with_ggml_is_not_used(monkeypatch, ggml, fast):
+    class Wrong:
+        types = fast.types
+
+        def quantize(self, t, src, dst, n_rows, row_length):
+            return fast.quantize(t, src + 4, dst, n_rows - 1, row_length)  # shifted input, one row short
+
+    monkeypatch.setattr("dgemma_convert.quantize.load_fast_quantizer", lambda: Wrong())
+    quantizer = GGMLQuantizer(threads=1)
+    assert quantizer.fast_types == frozenset()
+    rows = random_rows(3)[:4]
+    assert np.array_equal(quantizer.quantize(T.Q4_K, rows), ggml.quantize(T.Q4_K, rows))
 
 
 def test_unhandled_inputs_write_nothing(fast):
