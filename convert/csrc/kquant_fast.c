@@ -50,6 +50,8 @@ _Static_assert(sizeof(block_q6_k) == 210, "block_q6_K layout");
 _Static_assert(sizeof(block_q4_k) == 144, "block_q4_K layout");
 _Static_assert(sizeof(block_q5_k) == 176, "block_q5_K layout");
 
+#ifdef DGQ_X86  // everything below up to the exported functions: x86-64 only
+
 // The grid-search parameters ggml passes to make_qkx2_quants for each type.
 typedef struct {
     int nmax;
@@ -153,8 +155,6 @@ static void pack_q4(const uint8_t *L, uint8_t *q) {
         q += 32;
     }
 }
-
-#ifdef DGQ_X86
 
 #define AVX2 __attribute__((target("avx2")))
 
