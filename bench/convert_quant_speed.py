@@ -42,8 +42,9 @@ def main() -> None:
         ggml, ours = GGMLQuantizer(threads, fast=False), GGMLQuantizer(threads)
         for t in TYPES:
             (r_ggml, b_ggml), (r_ours, b_ours) = rate(ggml, t, rows, args.repeats), rate(ours, t, rows, args.repeats)
+            note = "" if t in ours.fast_types else "  (ggml on both sides: noise only)"
             print(f"{t.name:5} {threads:7}  {r_ggml:12.1f}  {r_ours:14.1f}  {r_ours / r_ggml:7.2f}x  "
-                  f"{np.array_equal(b_ggml, b_ours)}")
+                  f"{np.array_equal(b_ggml, b_ours)}{note}")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
