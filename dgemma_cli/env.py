@@ -193,6 +193,9 @@ CLIENT = (NOHISTORY, REGISTRY_MIRRORS, REGISTRY_ALLOW, PULL_PART_SIZE, PULL_STRE
 # Read by the C engine itself (getenv), listed here so the table is complete.
 PROFILE_NODES = Var("DGEMMA_PROFILE_NODES", "any", None, "unset",
                     "the engine prints one line per graph node (bench notes)")
+QKERNELS = Var("DGEMMA_QKERNELS", "`auto`, `avx2`, `scalar`, `off`", None, "auto",
+               "quantized weight products: the engine's integer kernels on that path, or ggml's own ops (`off`); "
+               "a path this CPU lacks means ggml's ops")
 STANDARD_OPS = Var("DGEMMA_STANDARD_OPS", "boolean", False, "unset",
                    "the standard-op graph (what accelerators run) on the CPU too, without the fast custom ops (tests)",
                    parse_bool)
@@ -200,7 +203,7 @@ STANDARD_OPS = Var("DGEMMA_STANDARD_OPS", "boolean", False, "unset",
 RPC = Var("DGEMMA_RPC", "list", (), "",
           "ggml RPC servers (`host:port`, comma-separated) whose devices take layers like GPUs; unauthenticated: "
           "loopback or a private network only", _comma_list)
-ENGINE = (PROFILE_NODES, STANDARD_OPS, RPC)
+ENGINE = (PROFILE_NODES, STANDARD_OPS, RPC, QKERNELS)
 
 ALL = SERVER + CLIENT + ENGINE
 

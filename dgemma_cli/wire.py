@@ -333,14 +333,18 @@ class ResponseSummaryText(WireModel):
 
 
 class ResponseOutputItem(WireModel):
-    """A `message` (the answer) or a `reasoning` item (the thinking, as its summary)."""
+    """A `message` (the answer), a `reasoning` item (the thinking, as its summary) or a `function_call` (one parsed
+    tool call: `call_id`, `name`, `arguments` as a JSON string)."""
 
     id: str
-    type: Literal["message", "reasoning"]
+    type: Literal["message", "reasoning", "function_call"]
     status: str | None = omitted()
     role: str | None = omitted()
     content: list[ResponseOutputText] | None = omitted()
     summary: list[ResponseSummaryText] | None = omitted()
+    call_id: str | None = omitted()
+    name: str | None = omitted()
+    arguments: str | None = omitted()
 
 
 class ResponseUsage(WireModel):

@@ -1,6 +1,7 @@
 """`dgemma debug generate`: one generation from token ids, printed as JSON in transformers' terms.
 
-Output: {"sequence": [...prompt and generated ids...], "steps_per_canvas": [...]}. With --rng torch the sequence is
+Output: {"sequence": [...prompt and generated ids...], "steps_per_canvas": [...], "timings": {"prefill_s": s,
+"steps_s": [... one per denoising step ...]}} (in-process timers: bench/ reads them). With --rng torch the sequence is
 what `DiffusionGemmaForBlockDiffusion.generate(...).sequences[0]` returns for the same weights, prompt, seed and
 sampler settings: whole canvases, the first EOS kept and pad after it (when the GGUF defines a pad id).
 """
@@ -13,7 +14,7 @@ import sys
 from typing import Any, Sequence, TextIO
 
 from dgemma_engine.errors import EngineError
-from dgemma_engine.generate import (CanvasEvent, SamplerParams, eos_ids_from_metadata, generate,
+from dgemma_engine.generate import (CanvasEvent, DoneEvent, SamplerParams, StepEvent, eos_ids_from_metadata, generate,
                                     torch_compatible_sequence)
 from dgemma_engine.model import Context, Model
 from dgemma_engine.settings import SettingError, check_values
@@ -21,9 +22,9 @@ from dgemma_engine.settings import SettingError, check_values
 
 def run_debug_generation(model: Model, prompt_ids: Sequence[int], params: SamplerParams, max_new_tokens: int,
                          eos_ids: Sequence[int] | None = None, pad_id: int | None = -1,
-                         threads: int | None = None) -> dict[str, Any]:
-    """Generate on a loaded model; returns {"sequence", "steps_per_canvas"}. eos_ids None: the GGUF's stop ids
-    (eos_ids_from_metadata); pad_id -1: the GGUF's padding id (None: no padding after EOS)."""
+                         threads: int | None = None, timings: bool = False) -> dict[str, Any]:
+    """Generate on a loaded model; returns {"sequence", "steps_per_canvas"} (and "timings" when asked). eos_ids None:
+    the GGUF's stop ids (eos_ids_from_metadata); pad_id -1: the GGUF's padding id (None: no padding after EOS)."""
     if not prompt_ids:
         raise EngineError("--prompt-ids must not be empty")
     C = model.hparams.canvas_length
@@ -34,13 +35,23 @@ def run_debug_generation(model: Model, prompt_ids: Sequence[int], params: Sample
         pad_id = int(pad) if pad is not None else None
     n_ctx = len(prompt_ids) + math.ceil(max_new_tokens / C) * C
     canvases: list[CanvasEvent] = []
+    step_seconds: list[float] = []
+    prefill_s = 0.0
     with Context(model, n_ctx=n_ctx, threads=threads) as ctx:
         for event in generate(ctx, prompt_ids, params, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                               threads=threads):
-            if isinstance(event, CanvasEvent):
-                canvases.append(event)
-    return {"sequence": torch_compatible_sequence(prompt_ids, canvases, pad_id),
-            "steps_per_canvas": [ev.steps for ev in canvases]}
+            match event:
+                case CanvasEvent():
+                    canvases.append(event)
+                case StepEvent():
+                    step_seconds.append(event.seconds)
+                case DoneEvent():
+                    prefill_s = event.stats.prompt_eval_s
+    result: dict[str, Any] = {"sequence": torch_compatible_sequence(prompt_ids, canvases, pad_id),
+                              "steps_per_canvas": [ev.steps for ev in canvases]}
+    if timings:
+        result["timings"] = {"prefill_s": prefill_s, "steps_s": step_seconds}
+    return result
 
 
 def debug_generate(model: str | os.PathLike, prompt_ids: list[int], seed: int = 0, rng: str = "fast",
@@ -61,7 +72,8 @@ def debug_generate(model: str | os.PathLike, prompt_ids: list[int], seed: int = 
             m.metadata, max_steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
             confidence_threshold=confidence_threshold, stability_threshold=stability_threshold, seed=seed, rng=rng)
         _validate(params)
-        result = run_debug_generation(m, prompt_ids, params, max_new_tokens, eos_ids=eos_ids, threads=threads)
+        result = run_debug_generation(m, prompt_ids, params, max_new_tokens, eos_ids=eos_ids, threads=threads,
+                                      timings=True)
     stream = out if out is not None else sys.stdout
     stream.write(json.dumps(result) + "\n")
     stream.flush()

@@ -19,6 +19,7 @@ class StepEvent:
     mean_entropy: float
     accepted: int              # positions that kept their sampled token
     accepted_mask: list[bool] | None = None   # which positions those are (the CLI's live view styles them)
+    seconds: float = 0.0       # wall time of the step: the decoder pass and the sampler
 
 
 @dataclass(frozen=True)

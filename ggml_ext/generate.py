@@ -110,10 +110,11 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
                 if cancel is not None and cancel.is_set():
                     yield finish("cancelled")
                     return
+                step_start = time.perf_counter()
                 logits = ctx.step(canvas, sc_temperature=prev_temperature)
                 result = sampler.step(logits)
                 yield StepEvent(b, result.step, params.max_steps, result.argmax.tolist(), result.mean_entropy,
-                                result.n_accepted, result.accepted.tolist())
+                                result.n_accepted, result.accepted.tolist(), time.perf_counter() - step_start)
                 if result.finished:
                     break
                 canvas, prev_temperature = result.canvas, result.temperature

@@ -106,7 +106,11 @@ def test_cli_prints_the_golden_sequence(gguf_path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    timings = out.pop("timings")
     assert out == {"sequence": rec["seq"].tolist(), "steps_per_canvas": meta["steps_per_canvas"]}
+    # the in-process timers bench/ reads: the prefill, then one duration per denoising step
+    assert set(timings) == {"prefill_s", "steps_s"} and timings["prefill_s"] > 0
+    assert len(timings["steps_s"]) == sum(meta["steps_per_canvas"]) and all(t > 0 for t in timings["steps_s"])
 
 
 def test_cli_rejects_bad_input_with_one_line(gguf_path) -> None:

@@ -190,3 +190,73 @@ def test_tool_call_is_parsed_with_a_scripted_answer(fake_served):
                             {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
     client.chat.completions.create(model="tiny", messages=follow_up, tools=[WEATHER_TOOL])
     assert behaviour.last_prompt[-1].endswith("<assistant>Checking.<call:get_weather><tool:get_weather>sunny<assistant>")
+
+
+# ---- the Responses API with tools -----------------------------------------------------------------------------------
+
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "description": "Current weather of a city",
+                  "parameters": WEATHER_TOOL["function"]["parameters"]}
+
+
+def test_responses_function_call_is_parsed_and_answered(fake_served):
+    import json
+
+    client, behaviour = fake_served
+    behaviour.answer = 'Checking.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+    response = client.responses.create(model="tiny", input="Weather in Paris?", tools=[RESPONSES_TOOL])
+    assert [item.type for item in response.output] == ["message", "function_call"]
+    assert response.output_text == "Checking." and response.status == "completed"
+    call = response.output[1]
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_") and call.status == "completed"
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert response.tools[0].name == "get_weather" and behaviour.last_prompt[-1].startswith("<tools:get_weather>")
+
+    follow_up = [{"role": "user", "content": "Weather in Paris?"}, *[i.model_dump(exclude_none=True)
+                                                                     for i in response.output],
+                 {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    behaviour.answer = "It is sunny."
+    answer = client.responses.create(model="tiny", input=follow_up, tools=[RESPONSES_TOOL])
+    assert answer.output_text == "It is sunny." and [i.type for i in answer.output] == ["message"]
+    assert behaviour.last_prompt[-1].endswith(
+        "<user>Weather in Paris?<assistant>Checking.<call:get_weather><tool:get_weather>sunny<assistant>")
+
+
+def test_responses_function_call_streams_as_ollama_sends_it(fake_served):
+    import json
+
+    client, behaviour = fake_served
+    behaviour.answer = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+    events = list(client.responses.create(model="tiny", input="Weather?", tools=[RESPONSES_TOOL], stream=True))
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]  # a call alone: no message item
+    added, delta, done = events[2], events[3], events[4]
+    assert added.item.type == "function_call" and added.item.status == "in_progress" and added.item.arguments == ""
+    assert delta.item_id == added.item.id and json.loads(delta.delta) == {"city": "Paris"} == json.loads(done.arguments)
+    [call] = events[-1].response.output
+    assert call.type == "function_call" and call.call_id == added.item.call_id and call.arguments == done.arguments
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_tool_choice_none_and_unsupported_tools(fake_served):
+    client, behaviour = fake_served
+    behaviour.answer = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+    response = client.responses.create(model="tiny", input="Weather?", tools=[RESPONSES_TOOL], tool_choice="none")
+    assert [i.type for i in response.output] == ["message"] and "<tools:" not in behaviour.last_prompt[-1]
+    with pytest.raises(openai.BadRequestError, match="unsupported tool type: 'web_search'"):
+        client.responses.create(model="tiny", input="x", tools=[{"type": "web_search"}])
+    with pytest.raises(openai.BadRequestError, match="failed to parse function call arguments"):
+        client.responses.create(model="tiny", input=[{"type": "function_call", "call_id": "c", "name": "f",
+                                                      "arguments": "{nope"}])
+
+
+def test_responses_tools_with_the_tiny_model_are_accepted(served):
+    _, client = served
+    response = client.responses.create(model="tiny", input="Weather in Paris?", tools=[RESPONSES_TOOL],
+                                       max_output_tokens=16)
+    assert response.status in ("completed", "incomplete") and response.output
+    assert all(item.type in ("message", "function_call") for item in response.output)
+    events = list(client.responses.create(model="tiny", input="Weather in Paris?", tools=[RESPONSES_TOOL],
+                                          max_output_tokens=16, stream=True))
+    assert events[-1].type in ("response.completed", "response.incomplete")

@@ -1,5 +1,6 @@
 """POST /v1/responses: OpenAI's Responses API as Ollama implements it (text in, text out, streaming events,
-`text.format` structured output), translated into the same generation path as /api/chat (docs/server.md).
+`text.format` structured output, function tools), translated into the same generation path as /api/chat
+(docs/server.md, "Tools" and the Responses API).
 
 Only sampling fields the client sent are forwarded (no implicit temperature, as the other OpenAI routes).
 """
@@ -21,6 +22,7 @@ from dgemma_cli.server.streaming import SSE, GuardedStreamingResponse, WorkerStr
 from dgemma_cli.server.routing import CheckedRoute
 from dgemma_cli.server.structured import openai_format
 from dgemma_cli.server.validation import chat_role
+from dgemma_engine.tool_calls import ToolCall
 
 router = APIRouter(prefix="/v1", route_class=CheckedRoute)
 ERRORS = {status: {"model": wire.OpenAIError} for status in (400, 404, 500, 503)}
@@ -46,21 +48,72 @@ def _content_text(model, content: Any) -> str:
     return "".join(parts)
 
 
+def _arguments(text: Any) -> dict:
+    """A `function_call` item's `arguments` (a JSON string) as the object the template renders."""
+    if text in (None, ""):
+        return {}
+    try:
+        value = json.loads(text) if isinstance(text, str) else text
+    except ValueError as exc:
+        raise RequestError(f"failed to parse function call arguments: {exc}") from None
+    if not isinstance(value, dict):
+        raise RequestError("function call arguments must be a JSON object")
+    return value
+
+
+class _History:
+    """Input items as template messages: a `function_call` joins the assistant turn before it (or opens one), a
+    `function_call_output` is a tool message named after the call it answers."""
+
+    def __init__(self, model, messages: list[dict]):
+        self.model = model
+        self.messages = messages
+        self.call_names: dict[str, str] = {}
+
+    def message(self, item: dict) -> None:
+        role = chat_role(str(item.get("role") or "user"))
+        if role == "tool":  # tool results are `function_call_output` items here
+            raise RequestError(f"invalid message role {role!r}")
+        self.messages.append({"role": role, "content": _content_text(self.model, item.get("content"))})
+
+    def function_call(self, item: dict) -> None:
+        name, call_id = item.get("name"), item.get("call_id")
+        if not isinstance(name, str) or not name:
+            raise RequestError("function_call item missing required 'name' field")
+        call = {"type": "function", "function": {"name": name, "arguments": _arguments(item.get("arguments"))}}
+        if isinstance(call_id, str):
+            call["id"] = call_id
+            self.call_names[call_id] = name
+        last = self.messages[-1] if self.messages else None
+        if last is None or last["role"] != "assistant":
+            last = {"role": "assistant", "content": ""}
+            self.messages.append(last)
+        last.setdefault("tool_calls", []).append(call)
+
+    def function_call_output(self, item: dict) -> None:
+        entry = {"role": "tool", "content": _content_text(self.model, item.get("output"))}
+        call_id = item.get("call_id")
+        if isinstance(call_id, str):
+            entry["tool_call_id"] = call_id
+            if call_id in self.call_names:
+                entry["name"] = self.call_names[call_id]
+        self.messages.append(entry)
+
+
 def _input_messages(model, req: schemas.ResponsesRequest) -> list[dict]:
     """`instructions` as the system message, then `input`: a string (one user message) or a list of items."""
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     if isinstance(req.input, str):
         return messages + ([{"role": "user", "content": req.input}] if req.input else [])
+    history = _History(model, messages)
     for item in req.input or []:
         kind = item.get("type") or ("message" if item.get("role") else "")
         if kind == "message":
-            role = chat_role(str(item.get("role") or "user"))
-            if role == "tool":  # tool results are `function_call_output` items here
-                raise RequestError(f"invalid message role {role!r}")
-            messages.append({"role": role, "content": _content_text(model, item.get("content"))})
+            history.message(item)
+        elif kind == "function_call":
+            history.function_call(item)
         elif kind == "function_call_output":
-            output = item.get("output")
-            messages.append({"role": "tool", "content": _content_text(model, output)})
+            history.function_call_output(item)
         elif kind == "reasoning":
             continue  # earlier thinking passed back: the chat template does not replay it
         elif not kind:
@@ -68,6 +121,25 @@ def _input_messages(model, req: schemas.ResponsesRequest) -> list[dict]:
         else:
             raise RequestError(f"unsupported input item type: {kind!r}")
     return messages
+
+
+def _function_tools(req: schemas.ResponsesRequest) -> list[dict] | None:
+    """The Responses API's flat function tools (`{type, name, description, parameters}`) in the shape chat templates
+    read (`{type: "function", function: {...}}`); `tool_choice: "none"` leaves them out."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    tools = []
+    for tool in req.tools:
+        if tool.get("type") != "function":
+            raise RequestError(f"unsupported tool type: {tool.get('type')!r} (only function tools are supported)")
+        function = tool["function"] if isinstance(tool.get("function"), dict) else tool  # the chat shape, leniently
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise RequestError("function tool missing required 'name' field")
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        tools.append({"type": "function", "function": {"name": name, "description": function.get("description") or "",
+                                                       "parameters": parameters}})
+    return tools
 
 
 def _options(req: schemas.ResponsesRequest) -> dict[str, Any]:
@@ -107,7 +179,8 @@ class ResponseBuilder:
         return wire.ResponseObject(
             id=self.id, created_at=self.created_at, completed_at=int(time.time()) if final is not None else None,
             status=status, incomplete_details=incomplete, model=self.model_name, instructions=req.instructions,
-            output=output, truncation=req.truncation or "disabled", text={"format": text_format},
+            output=output, tools=list(req.tools or []), tool_choice=req.tool_choice or "auto",
+            truncation=req.truncation or "disabled", text={"format": text_format},
             temperature=req.temperature, top_p=req.top_p, max_output_tokens=req.max_output_tokens, usage=usage,
         ).wire()
 
@@ -120,8 +193,20 @@ class ResponseBuilder:
         summary = [wire.ResponseSummaryText(text=thinking)] if thinking else []
         return wire.ResponseOutputItem(id=self.reasoning_id, type="reasoning", summary=summary)
 
-    def output(self, text: str, thinking: str) -> list[wire.ResponseOutputItem]:
-        return ([self.reasoning(thinking)] if thinking else []) + [self.message(text)]
+    @staticmethod
+    def function_call(call: ToolCall) -> wire.ResponseOutputItem:
+        """A parsed call: a fresh item id and `call_id` (the id `function_call_output` answers), arguments as JSON."""
+        return wire.ResponseOutputItem(id="fc_" + secrets.token_hex(12), type="function_call", status="completed",
+                                       call_id="call_" + secrets.token_hex(12), name=call.name,
+                                       arguments=json.dumps(call.arguments, ensure_ascii=False))
+
+    def output(self, text: str, thinking: str, calls: list[ToolCall]) -> list[wire.ResponseOutputItem]:
+        """Reasoning, the message (kept when it has text, so text around a call is not lost; always when there is
+        no call), then one `function_call` item per call."""
+        items = [self.reasoning(thinking)] if thinking else []
+        if text.strip() or not calls:
+            items.append(self.message(text))
+        return items + [self.function_call(call) for call in calls]
 
     def event(self, kind: str, **data: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence, **data}
@@ -130,15 +215,105 @@ class ResponseBuilder:
         return f"event: {kind}\ndata: {body}\n\n".encode()
 
 
-def _stream(stream: WorkerStream, built: ResponseBuilder) -> GuardedStreamingResponse:
-    """Ollama's event order: created, in_progress; per item added, deltas, done; completed."""
+class _StreamEvents:
+    """The events of one streamed answer, in Ollama's order: created, in_progress; per output item `added`, its
+    deltas, `done`; completed. Output indexes are given as items open: reasoning first, then the message (opened by
+    its first non-blank text) and the function calls in the order the model wrote them."""
 
+    def __init__(self, built: ResponseBuilder):
+        self.built = built
+        self.next_index = 0
+        self.items: list[tuple[int, wire.ResponseOutputItem]] = []  # closed items, for the final output
+        self.reasoning_index: int | None = None
+        self.message_index: int | None = None
+        self.thinking = self.text = self.blank = ""  # `blank`: whitespace not yet sent (it may open no message)
+        self.calls = 0
+
+    def _open(self) -> int:
+        index, self.next_index = self.next_index, self.next_index + 1
+        return index
+
+    def think(self, piece: str) -> list[bytes]:
+        b, out = self.built, []
+        if self.reasoning_index is None:
+            self.reasoning_index = self._open()
+            out.append(b.event("response.output_item.added", output_index=self.reasoning_index,
+                               item=b.reasoning("").wire()))
+        self.thinking += piece
+        out.append(b.event("response.reasoning_summary_text.delta", item_id=b.reasoning_id,
+                           output_index=self.reasoning_index, summary_index=0, delta=piece))
+        return out
+
+    def close_reasoning(self) -> list[bytes]:
+        b, index = self.built, self.reasoning_index
+        if index is None or any(i == index for i, _ in self.items):
+            return []
+        item = b.reasoning(self.thinking)
+        self.items.append((index, item))
+        return [b.event("response.reasoning_summary_text.done", item_id=b.reasoning_id, output_index=index,
+                        summary_index=0, text=self.thinking),
+                b.event("response.output_item.done", output_index=index, item=item.wire())]
+
+    def say(self, piece: str, force: bool = False) -> list[bytes]:
+        b = self.built
+        if self.message_index is None and not force and not (self.blank + piece).strip():
+            self.blank += piece
+            return []
+        out = self.close_reasoning()
+        if self.message_index is None:
+            self.message_index = self._open()
+            out.append(b.event("response.output_item.added", output_index=self.message_index,
+                               item=b.message("", "in_progress").wire()))
+            out.append(b.event("response.content_part.added", item_id=b.message_id, output_index=self.message_index,
+                               content_index=0, part=wire.ResponseOutputText(text="").wire()))
+        piece, self.blank = self.blank + piece, ""
+        if piece:
+            self.text += piece
+            out.append(b.event("response.output_text.delta", item_id=b.message_id, output_index=self.message_index,
+                               content_index=0, delta=piece, logprobs=[]))
+        return out
+
+    def call(self, call: ToolCall) -> list[bytes]:
+        """A complete call at once: added (empty arguments), the arguments as one delta, done."""
+        b, out = self.built, self.close_reasoning()
+        item, index = b.function_call(call), self._open()
+        self.calls += 1
+        self.items.append((index, item))
+        opening = item.model_copy(update={"status": "in_progress", "arguments": ""})
+        out.append(b.event("response.output_item.added", output_index=index, item=opening.wire()))
+        out.append(b.event("response.function_call_arguments.delta", item_id=item.id, output_index=index,
+                           delta=item.arguments))
+        out.append(b.event("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                           arguments=item.arguments))
+        out.append(b.event("response.output_item.done", output_index=index, item=item.wire()))
+        return out
+
+    def finish(self, final: Final | None) -> list[bytes]:
+        """Close what is open; with no call, there is always one (maybe empty) message, as the non-streaming answer
+        has."""
+        b, out = self.built, self.close_reasoning()
+        if self.message_index is None and not self.calls:
+            out += self.say("", force=True)
+        if self.message_index is not None:
+            index, text = self.message_index, self.text
+            out.append(b.event("response.output_text.done", item_id=b.message_id, output_index=index,
+                               content_index=0, text=text, logprobs=[]))
+            out.append(b.event("response.content_part.done", item_id=b.message_id, output_index=index,
+                               content_index=0, part=wire.ResponseOutputText(text=text).wire()))
+            message = b.message(text)
+            self.items.append((index, message))
+            out.append(b.event("response.output_item.done", output_index=index, item=message.wire()))
+        output = [item for _, item in sorted(self.items, key=lambda pair: pair[0])]
+        kind = "response.incomplete" if final is not None and final.done_reason == "length" else "response.completed"
+        out.append(b.event(kind, response=b.response("completed", output, final)))
+        return out
+
+
+def _stream(stream: WorkerStream, built: ResponseBuilder) -> GuardedStreamingResponse:
     async def frames():
         yield built.event("response.created", response=built.response("in_progress", []))
         yield built.event("response.in_progress", response=built.response("in_progress", []))
-        text = thinking = ""
-        index = 0
-        message_open = reasoning_open = False
+        events = _StreamEvents(built)
         final = None
         async for item in stream:
             if isinstance(item, Final):
@@ -146,42 +321,15 @@ def _stream(stream: WorkerStream, built: ResponseBuilder) -> GuardedStreamingRes
                 continue
             if not isinstance(item, Text):
                 continue
-            if item.thinking:
-                if not reasoning_open:
-                    reasoning_open = True
-                    yield built.event("response.output_item.added", output_index=index,
-                                      item=built.reasoning("").wire())
-                thinking += item.thinking
-                yield built.event("response.reasoning_summary_text.delta", item_id=built.reasoning_id,
-                                  output_index=index, summary_index=0, delta=item.thinking)
+            frames_now = events.think(item.thinking) if item.thinking else []
             if item.text:
-                if reasoning_open and not message_open:
-                    yield built.event("response.reasoning_summary_text.done", item_id=built.reasoning_id,
-                                      output_index=index, summary_index=0, text=thinking)
-                    yield built.event("response.output_item.done", output_index=index,
-                                      item=built.reasoning(thinking).wire())
-                    index += 1
-                if not message_open:
-                    message_open = True
-                    yield built.event("response.output_item.added", output_index=index,
-                                      item=built.message("", "in_progress").wire())
-                    yield built.event("response.content_part.added", item_id=built.message_id, output_index=index,
-                                      content_index=0, part=wire.ResponseOutputText(text="").wire())
-                text += item.text
-                yield built.event("response.output_text.delta", item_id=built.message_id, output_index=index,
-                                  content_index=0, delta=item.text, logprobs=[])
-        if not message_open:  # no text at all: still one (empty) message, as the non-streaming answer has
-            yield built.event("response.output_item.added", output_index=index,
-                              item=built.message("", "in_progress").wire())
-            yield built.event("response.content_part.added", item_id=built.message_id, output_index=index,
-                              content_index=0, part=wire.ResponseOutputText(text="").wire())
-        yield built.event("response.output_text.done", item_id=built.message_id, output_index=index,
-                          content_index=0, text=text, logprobs=[])
-        yield built.event("response.content_part.done", item_id=built.message_id, output_index=index,
-                          content_index=0, part=wire.ResponseOutputText(text=text).wire())
-        yield built.event("response.output_item.done", output_index=index, item=built.message(text).wire())
-        kind = "response.incomplete" if final is not None and final.done_reason == "length" else "response.completed"
-        yield built.event(kind, response=built.response("completed", built.output(text, thinking), final))
+                frames_now += events.say(item.text)
+            for call in item.tool_calls:
+                frames_now += events.call(call)
+            for frame in frames_now:
+                yield frame
+        for frame in events.finish(final):
+            yield frame
 
     def error_frame(exc: Exception) -> bytes:
         error = wire.OpenAIError(error=wire.OpenAIErrorBody(message=error_message(exc), type="api_error"))
@@ -195,8 +343,7 @@ def _stream(stream: WorkerStream, built: ResponseBuilder) -> GuardedStreamingRes
 async def create_response(req: schemas.ResponsesRequest, request: Request):
     svc = services(request)
     model = await svc.resolve_runnable(req.model)
-    if req.tools:
-        raise RequestError(f"{model.full} does not support tools")
+    tools = _function_tools(req)
     output_format = None
     if req.text is not None and req.text.format is not None:
         output_format = openai_format(req.text.format.type, req.text.format.schema_)
@@ -207,16 +354,17 @@ async def create_response(req: schemas.ResponsesRequest, request: Request):
     effort = (req.reasoning or {}).get("effort")
     think = effort if effort not in (None, "none") else None
 
-    def build_prompt(runner, thinking, _tools):
-        return inference.chat_prompt(runner, messages, thinking, True)
+    def build_prompt(runner, thinking, template_tools):
+        return inference.chat_prompt(runner, messages, thinking, True, template_tools)
 
     job = Job(svc, model, svc.merged_options(model, _options(req)), None, output_format)
-    stream = await job.start(request, build_prompt, think)
+    stream = await job.start(request, build_prompt, think, tools)
     built = ResponseBuilder(model.display, req)
     if req.stream:
         return _stream(stream, built)
     items = await collect(request, stream)
     final = next((i for i in reversed(items) if isinstance(i, Final)), None)
-    text = "".join(i.text for i in items if isinstance(i, Text))
-    thinking = "".join(i.thinking for i in items if isinstance(i, Text))
-    return JSONResponse(built.response("completed", built.output(text, thinking), final))
+    texts = [i for i in items if isinstance(i, Text)]
+    text, thinking = "".join(i.text for i in texts), "".join(i.thinking for i in texts)
+    calls = [call for i in texts for call in i.tool_calls]
+    return JSONResponse(built.response("completed", built.output(text, thinking, calls), final))

@@ -193,5 +193,8 @@ class ResponsesRequest(RequestModel):
     stream: bool | None = None
     text: ResponsesText | None = None
     tools: list[dict[str, JsonValue]] | None = None
+    tool_choice: str | dict[str, JsonValue] | None = Field(default=None, description='"none" leaves the tools out; '
+                                                           "other values are accepted and echoed (nothing can force "
+                                                           "a call)")
     reasoning: dict[str, JsonValue] | None = None
     truncation: str | None = None

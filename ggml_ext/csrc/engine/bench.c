@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include "engine.h"
+#include "qkernels.h"
 
 static double clock_s(clockid_t id) {
     struct timespec ts;
@@ -24,8 +25,9 @@ static uint64_t next_rand(uint64_t *s) {  // splitmix64
 static float rand_float(uint64_t *s) { return (float)((double)(next_rand(s) >> 11) * 0x1.0p-53 * 2.0 - 1.0); }
 
 // Seconds per product (best of `reps`) of a [k, m] weight of `type` (n_expert > 0: [k, m, n_expert] experts used
-// n_used at a time per token through mul_mat_id, or through the engine's own expert matmul when engine_op is set)
-// with n F32 activation columns. Returns < 0 on failure.
+// n_used at a time per token through mul_mat_id, or through the engine's own expert matmul when engine_op is set;
+// dense weights with engine_op go through the engine's quantized product where it covers the type) with n F32
+// activation columns. Returns < 0 on failure.
 // *cpu_seconds: process CPU time of that best run (equals wall time at one thread on an idle machine; on a loaded
 // machine it is the load-independent measure).
 DG_API double dg_bench_mul_mat(int type, int64_t k, int64_t m, int64_t n, int n_expert, int n_used, int engine_op,
@@ -44,9 +46,10 @@ DG_API double dg_bench_mul_mat(int type, int64_t k, int64_t m, int64_t n, int n_
     struct ggml_tensor *x = n_expert > 0 ? ggml_new_tensor_3d(ctx, GGML_TYPE_F32, k, 1, n)
                                          : ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n);
     struct ggml_tensor *ids = n_expert > 0 ? ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_used, n) : NULL;
-    struct ggml_tensor *y = n_expert == 0 ? ggml_mul_mat(ctx, w, x)
+    struct ggml_tensor *y = n_expert == 0 ? (engine_op ? dg_build_qmatmul(ctx, w, x, dg_qk_default_path()) : NULL)
                            : engine_op ? dg_build_expert_matmul(ctx, w, x, ids)
                                        : ggml_mul_mat_id(ctx, w, x, ids);
+    if (!y) y = ggml_mul_mat(ctx, w, x);
     struct ggml_cgraph *gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, y);
     ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);

@@ -393,7 +393,8 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
                            slot_of(c, il, c->n_past), span, false, false);
     }
     x = dg_build_rmsw(ctx, m, x, m->output_norm);
-    struct ggml_tensor *logits = ggml_mul_mat(ctx, dg_lm_head(m), x);  // [V, n]
+    const bool head_fast = dg_unit_fast(m, m->hp.n_layer);
+    struct ggml_tensor *logits = dg_build_weight_matmul(ctx, dg_lm_head(m), x, head_fast);  // [V, n]
     const float cap = m->hp.logit_softcap;
     logits = dg_build_softcap(ctx, logits, cap);
     struct ggml_tensor *dst = ggml_view_2d(ctx, c->logits[out], V, n, c->logits[out]->nb[1], 0);

@@ -5,7 +5,7 @@
 // slice of every expert's output rows, and multiplies those weight rows with all of the expert's routed input rows in
 // register tiles (4 weight rows × up to 6 input rows), so that each weight row is read from memory once per step and
 // each loaded vector feeds several FMAs.
-// Quantized weights keep ggml's mul_mat_id (its quantized dot products are the fast path there).
+// Quantized weights go to qkernels.c (integer dot products), or to ggml's mul_mat_id for types it does not cover.
 //
 // Semantics equal ggml_mul_mat_id(w, x, ids): w [Kd, N, E], x [Kd, X1, T] with X1 = 1 (broadcast) or ids->ne[0],
 // ids [K, T] I32 → y [N, K, T], y[:, k, t] = w[:, :, ids[k, t]]ᵀ · x[:, k % X1, t]. Only the summation order differs.
@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "engine.h"
+#include "qkernels.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -187,7 +188,9 @@ struct ggml_tensor *dg_build_expert_matmul_isa(struct ggml_context *ctx, struct 
 
 int dg_expert_matmul_isa(void) { return (int)detect_isa(); }
 
+// Quantized experts go to the integer kernels (qkernels.c) where they cover the type, F32 experts to the tiles above.
 struct ggml_tensor *dg_build_expert_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
                                            struct ggml_tensor *ids) {
-    return dg_build_expert_matmul_isa(ctx, w, x, ids, dg_expert_matmul_isa());
+    struct ggml_tensor *q = dg_build_qexpert_matmul(ctx, w, x, ids, dg_qk_default_path());
+    return q ? q : dg_build_expert_matmul_isa(ctx, w, x, ids, dg_expert_matmul_isa());
 }

@@ -66,9 +66,9 @@ struct ggml_tensor *dg_build_softcap(struct ggml_context *ctx, struct ggml_tenso
 
 struct ggml_tensor *dg_build_gated_mlp(struct ggml_context *ctx, struct ggml_tensor *x, struct ggml_tensor *gate,
                                        struct ggml_tensor *up, struct ggml_tensor *down, bool fast) {
-    struct ggml_tensor *g = ggml_mul_mat(ctx, gate, x);
-    struct ggml_tensor *u = ggml_mul_mat(ctx, up, x);
-    return ggml_mul_mat(ctx, down, gelu_mul(ctx, g, u, fast));
+    struct ggml_tensor *g = dg_build_weight_matmul(ctx, gate, x, fast);
+    struct ggml_tensor *u = dg_build_weight_matmul(ctx, up, x, fast);
+    return dg_build_weight_matmul(ctx, down, gelu_mul(ctx, g, u, fast), fast);
 }
 
 // Experts on the CPU take the fast kernels (expert_matmul.c); anywhere else ggml's own mul_mat_id, which every
@@ -131,9 +131,11 @@ static struct ggml_tensor *build_attention(struct ggml_context *ctx, struct ggml
     const float base = L->sliding ? m->hp.rope_base_swa : m->hp.rope_base_full;
     struct ggml_tensor *freq_factors = L->sliding ? NULL : m->rope_freqs;
     const int n_ctx_orig = m->hp.n_ctx_train;
+    const bool fast = dg_unit_fast(m, il);  // the layer's weights are in CPU memory: the engine's kernels may read them
 
-    struct ggml_tensor *kr = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L->wk, h), hd, nkv, T);
-    struct ggml_tensor *vr = L->wv ? ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L->wv, h), hd, nkv, T) : kr;
+    struct ggml_tensor *kr = ggml_reshape_3d(ctx, dg_build_weight_matmul(ctx, L->wk, h, fast), hd, nkv, T);
+    struct ggml_tensor *vr = L->wv ? ggml_reshape_3d(ctx, dg_build_weight_matmul(ctx, L->wv, h, fast), hd, nkv, T)
+                                   : kr;
     struct ggml_tensor *k = dg_build_rmsw(ctx, m, kr, L->k_norm);
     k = ggml_rope_ext(ctx, k, pos, freq_factors, (int)hd, GGML_ROPE_TYPE_NEOX, n_ctx_orig, base, 1.0f, 0.0f, 1.0f,
                       0.0f, 0.0f);
@@ -147,7 +149,7 @@ static struct ggml_tensor *build_attention(struct ggml_context *ctx, struct ggml
     ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_transpose(ctx, ggml_reshape_2d(ctx, v, hd * nkv, T)), v_dst));
     if (kv_only) return NULL;
 
-    struct ggml_tensor *q = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, L->wq, h), hd, nh, T);
+    struct ggml_tensor *q = ggml_reshape_3d(ctx, dg_build_weight_matmul(ctx, L->wq, h, fast), hd, nh, T);
     q = dg_build_rmsw(ctx, m, q, L->q_norm);
     q = ggml_rope_ext(ctx, q, pos, freq_factors, (int)hd, GGML_ROPE_TYPE_NEOX, n_ctx_orig, base, 1.0f, 0.0f, 1.0f,
                       0.0f, 0.0f);
@@ -161,7 +163,7 @@ static struct ggml_tensor *build_attention(struct ggml_context *ctx, struct ggml
                                             (size_t)span.first * vc->nb[0]);  // [S, hd, nkv]
     struct ggml_tensor *kqv = ggml_mul_mat(ctx, vals, kq);                      // [hd, T, nh]
     struct ggml_tensor *out = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), hd * nh, T);
-    return ggml_mul_mat(ctx, L->wo, out);
+    return dg_build_weight_matmul(ctx, L->wo, out, fast);
 }
 
 // One layer (docs/model.md#block-assembly). Encoder: causal mask + encoder λ; decoder: no mask + decoder λ.

@@ -1,0 +1,81 @@
+// Quantized weight products with integer dot products (docs/engine.md#quantized-expert-products).
+//
+// Entry points: dg_build_qexpert_matmul (a ggml_mul_mat_id of quantized experts) and dg_build_qmatmul (a dense
+// ggml_mul_mat of a quantized weight). Each returns NULL when it does not apply (weight type not covered, odd shape,
+// path off or not supported by this CPU); the caller then builds ggml's own op. Both build two custom nodes: the F32
+// activations are quantized once per product (with ggml's own quantizer, so the integers equal ggml's), then every
+// thread multiplies a slice of the output rows against all routed activation rows in register tiles.
+#pragma once
+
+#include "engine.h"
+
+typedef enum {
+    DG_QK_OFF = 0,     // ggml's own ops
+    DG_QK_SCALAR = 1,  // portable C
+    DG_QK_AVX2 = 2,    // AVX2 vpmaddubsw / vpmaddwd
+    DG_QK_AVX512 = 3,  // AVX-512 VNNI vpdpbusd (reserved: no kernels yet, never available)
+} dg_qk_path;
+
+// The path DGEMMA_QKERNELS asks for (off, scalar, avx2, auto; unset or anything else = auto), where auto is the best
+// this CPU has (never scalar). A path the CPU lacks falls back to ggml's ops.
+dg_qk_path dg_qk_default_path(void);
+bool dg_qk_path_available(dg_qk_path path);
+// Whether a weight of this type with rows of kd elements has kernels.
+bool dg_qk_supports(enum ggml_type type, int64_t kd);
+
+// ggml_mul_mat_id(w, x, ids) semantics: w [kd, N, E], x [kd, X1, T] F32 (X1 = 1 or ids->ne[0]), ids [K, T] I32.
+struct ggml_tensor *dg_build_qexpert_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
+                                            struct ggml_tensor *ids, dg_qk_path path);
+// ggml_mul_mat(w, x) for a 2-D quantized w [kd, N] and x [kd, T] F32 (2-D): y [N, T].
+struct ggml_tensor *dg_build_qmatmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
+                                     dg_qk_path path);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Between qkernels.c and the per-instruction-set files.
+
+// One expert's work for one thread: weight rows [n0, n1) against n_rows quantized activation rows.
+typedef struct dg_qk_job {
+    const uint8_t *w;         // the expert's row 0
+    size_t w_row;             // bytes per weight row
+    const uint8_t **x;        // routed activation rows (ggml blocks of the weight's vec_dot_type, then side floats)
+    float **y;                // matching output rows: element j at y[r][j]
+    int64_t n_rows, n0, n1;
+    int64_t nb;               // blocks per row: 32-element blocks, or 256-element super-blocks for K-quants
+    size_t side;              // byte offset of an activation row's side floats (see qkernels.c, activation layout)
+    float *scratch;           // per-thread scratch of 16·nb·DG_QK_ROW_CHUNK floats
+} dg_qk_job;
+
+typedef void (*dg_qk_kernel)(const dg_qk_job *job);
+#define DG_QK_ROW_CHUNK 32  // weight rows a kernel prepares at once (scratch: 16 floats per block and row)
+
+// NULL when the path has no kernel for that type.
+dg_qk_kernel dg_qk_scalar_kernel(enum ggml_type type);
+dg_qk_kernel dg_qk_avx2_kernel(enum ggml_type type);
+
+// ggml's block layouts (ggml-common.h; the sizes are checked against ggml_type_size at run time).
+#define DG_QK 32
+#define DG_QK_K 256
+typedef struct { uint16_t d; int8_t qs[DG_QK]; } dg_block_q8_0;
+typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[DG_QK / 2]; } dg_block_q5_0;
+typedef struct { float d; int8_t qs[DG_QK_K]; int16_t bsums[DG_QK_K / 16]; } dg_block_q8_K;
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[DG_QK_K / 2]; } dg_block_q4_K;
+typedef struct {
+    uint8_t ql[DG_QK_K / 2];
+    uint8_t qh[DG_QK_K / 4];
+    int8_t scales[DG_QK_K / 16];
+    uint16_t d;
+} dg_block_q6_K;
+typedef struct { uint16_t d; uint8_t qs[DG_QK / 2]; } dg_block_iq4_nl;
+typedef struct { uint16_t d, scales_h; uint8_t scales_l[DG_QK_K / 64]; uint8_t qs[DG_QK_K / 2]; } dg_block_iq4_xs;
+// the 16 values of IQ4_NL / IQ4_XS's 4-bit indices (the format's non-linear grid)
+extern const int8_t dg_qk_iq4_values[16];
+// IQ4_XS's scale of sub-block j (0..7), already minus its offset of 32
+int dg_qk_iq4xs_scale(const dg_block_iq4_xs *b, int j);
+
+// Activation side floats, per row, after the ggml blocks:
+// - Q8_0 activations (Q8_0, Q5_0 weights): dx[nb] (the block scales as f32), then int32 lanes16[8·nb]: 16 · the sum
+//   of qs[4·l .. 4·l + 3] in lane l (Q5_0's offset of 16, in the lanes of vpmaddwd's output).
+// - Q8_K activations (Q4_K, Q6_K weights): s32[8·nb] = d · Σ qs over each 32-element sub-block.
+float dg_qk_half(uint16_t h);
+// Q4_K's 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes.
+void dg_qk_q4k_scale_min(const uint8_t *packed, int j, int *scale, int *min);

@@ -1,0 +1,143 @@
+"""The engine's quantized products (integer dot products, ggml custom ops) compute what ggml's own ops compute.
+
+Every covered weight type on every kernel path (AVX2 and the portable fallback) against ggml_mul_mat_id / ggml_mul_mat
+on the same ggml-quantized weights and the same activation quantization (ggml's own quantizer), so the integer sums
+are equal and only the order of the float sums differs. Edge shapes: 1, 15, 16, 17 and 256 rows per expert with
+unused experts, uneven routing, output rows that leave every remainder of the tiles, broadcast (gate/up) and
+per-slot (down) inputs, one and two threads, dense products.
+"""
+from __future__ import annotations
+
+import ctypes
+import platform
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dgemma_engine.model import Context, Model, _engine
+
+SCALAR, AVX2 = 1, 2
+UNSUPPORTED_CPU, NO_KERNEL = -2, -3
+TYPES = {"q8_0": 8, "q5_0": 6, "q4_K": 12, "q6_K": 14, "iq4_nl": 20, "iq4_xs": 23}
+BLOCK = {"q8_0": 32, "q5_0": 32, "q4_K": 256, "q6_K": 256, "iq4_nl": 32, "iq4_xs": 256}
+
+
+def check(type_name: str, kd: int, n: int, n_expert: int, n_used: int, t: int, x1: int = 1, rows_per_expert: int = 0,
+          threads: int = 2, path: int = AVX2, seed: int = 1, type_id: int | None = None) -> float:
+    fn = _engine().dg_check_qmatmul
+    fn.restype = ctypes.c_double
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_int]
+    type_id = TYPES[type_name] if type_id is None else type_id
+    return fn(type_id, kd, n, n_expert, n_used, t, x1, rows_per_expert, threads, seed, path)
+
+
+AVAILABLE_AVX2 = check("q8_0", 32, 1, 1, 1, 1) != UNSUPPORTED_CPU
+
+
+def assert_matches_ggml(rel: float) -> None:
+    if rel == UNSUPPORTED_CPU:  # reported as a skip with its reason, never passed silently
+        pytest.skip(f"this CPU ({platform.machine()}) lacks AVX2/FMA/F16C; ggml's ops run instead")
+    assert rel >= 0, rel
+    # same integers, other float summation order: float32 rounding only
+    assert rel < 1e-5, rel
+
+
+PATHS = pytest.mark.parametrize("path", [AVX2, SCALAR], ids=["avx2", "scalar"])
+TYPE_NAMES = pytest.mark.parametrize("type_name", list(TYPES))
+
+# rows per expert: 8 experts, top-2, tokens in groups that share their experts; the experts no group reaches stay unused
+ROWS_PER_EXPERT = [1, 15, 16, 17, 256]
+
+
+@PATHS
+@TYPE_NAMES
+@pytest.mark.parametrize("rows", ROWS_PER_EXPERT)
+def test_rows_per_expert(type_name, rows, path):
+    kd = 2 * BLOCK[type_name]
+    tokens = rows if rows == 256 else 2 * rows  # 256: experts 0 and 1 only; else 4 of the 8 experts
+    assert_matches_ggml(check(type_name, kd, 37, 8, 2, tokens, x1=2, rows_per_expert=rows, path=path))
+
+
+SHAPES = [  # kd blocks, n, experts, used, tokens, x1, threads
+    (1, 1, 1, 1, 1, 1, 1),      # one of everything
+    (1, 9, 3, 1, 5, 1, 2),      # fewer output rows than threads' 8-row groups
+    (3, 70, 16, 4, 23, 4, 2),   # uneven routing, per-slot inputs, output rows not a multiple of 8
+    (4, 64, 6, 6, 11, 1, 1),    # every expert used by every token
+]
+
+
+@PATHS
+@TYPE_NAMES
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_expert_shapes(type_name, shape, path):
+    blocks, n, experts, used, tokens, x1, threads = shape
+    assert_matches_ggml(check(type_name, blocks * BLOCK[type_name], n, experts, used, tokens, x1=x1,
+                              threads=threads, path=path))
+
+
+@PATHS
+@TYPE_NAMES
+@pytest.mark.parametrize("tokens", [1, 17, 256])
+def test_dense(type_name, tokens, path):
+    assert_matches_ggml(check(type_name, 2 * BLOCK[type_name], 45, 0, 0, tokens, path=path))
+
+
+def test_real_expert_geometry():
+    """The released model's expert widths (H 2816, FFe 704) at 16 rows per expert, the types its mixes use there."""
+    for type_name, kd, n in (("q4_K", 2816, 64), ("q6_K", 2816, 64), ("q8_0", 2816, 64), ("iq4_xs", 2816, 64),
+                             ("q5_0", 704, 96), ("q8_0", 704, 96), ("iq4_nl", 704, 96)):
+        assert_matches_ggml(check(type_name, kd, n, 16, 2, 128, x1=2, rows_per_expert=16))
+
+
+def test_uncovered_types_and_shapes_are_refused():
+    assert check("q8_0", 48, 4, 2, 1, 3) == NO_KERNEL        # row not a whole number of blocks
+    assert check("q4_K", 32 * 9, 4, 2, 1, 3) == NO_KERNEL    # K-quants need whole 256-element super-blocks
+    assert check("q8_0", 64, 4, 2, 1, 3, type_id=0) == NO_KERNEL   # F32: the tiled F32 op's business
+    assert check("q8_0", 64, 4, 2, 1, 3, type_id=7) == NO_KERNEL   # Q5_1: not covered yet
+    assert check("q8_0", 0, 4, 2, 1, 3) == -1
+    assert check("q8_0", 64, 4, 2, 3, 3) == -1               # more experts used than exist
+    assert check("q8_0", 64, 4, 2, 1, 3, x1=2) == -1         # x1 must be 1 or n_used
+    assert check("q8_0", 64, 4, 2, 1, 3, path=0) == -1       # "off" is not a kernel path
+
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def first_steps(path: Path, run: dict[str, np.ndarray], calls: int = 3) -> np.ndarray:
+    """Logits of the first recorded decoder calls of a golden run (self-conditioning where recorded)."""
+    with Model.load(path, threads=2) as m, Context(m, n_ctx=len(run["seq"]) + m.hparams.canvas_length,
+                                                    threads=2) as ctx:
+        ctx.encode(run["prompt"])
+        out = []
+        for i in range(min(calls, len(run["pos"]))):
+            start = int(run["pos"][i][0])
+            if start != ctx.n_past:
+                ctx.encode(run["seq"][ctx.n_past:start])
+            if run["has_sc"][i]:
+                ctx.set_self_cond_logits(run["raw"][i - 1])
+                out.append(ctx.step(run["canvas"][i], sc_temperature=float(run["T"][i - 1])).copy())
+            else:
+                out.append(ctx.step(run["canvas"][i]).copy())
+        return np.array(out)
+
+
+@pytest.mark.parametrize("name", ["tiny-a", "tiny-b"])
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_k_m"])
+def test_model_logits_equal_ggml_ops(gguf_path, monkeypatch, name, outtype):
+    """Whole decoder steps of the quantized fixtures (Q8_0 and Q5_0 experts: their widths are below 256) with the
+    engine's kernels and with ggml's ops: bit-identical logits. (A difference in float summation order alone would
+    not stay small here: it flips roundings of the next product's activation quantization.)"""
+    if not AVAILABLE_AVX2:
+        pytest.skip(f"this CPU ({platform.machine()}) lacks AVX2/FMA/F16C; ggml's ops run in both")
+    with np.load(FIXTURES / name / "golden" / "g1_seed0.npz") as z:
+        run = {k: z[k] for k in z.files}
+    path = gguf_path(name, outtype)
+    monkeypatch.setenv("DGEMMA_QKERNELS", "off")
+    ggml = first_steps(path, run)
+    monkeypatch.setenv("DGEMMA_QKERNELS", "avx2")
+    ours = first_steps(path, run)
+    # AVX2: the same f32 operations per lane as ggml's AVX2 dot products for these types (docs/engine.md)
+    np.testing.assert_array_equal(ours, ggml)
