@@ -46,7 +46,7 @@ sampler = Extension(
     extra_link_args=["-pthread", "-lm"],
 )
 
-# The converter's fast Q4_K/Q5_K quantizers: byte-identical to ggml's only if no multiply-add is ever fused.
+# The converter's fast Q4_K/Q5_K/Q6_K quantizers: byte-identical to ggml's only if no multiply-add is ever fused.
 kquant = Extension(
     "dgemma_convert._quant",
     sources=sorted(glob.glob("convert/csrc/*.c")),
