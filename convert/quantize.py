@@ -3,7 +3,8 @@
 The policy reproduces what `llama-quantize` (src/llama-quant.cpp, `llama_tensor_get_type`) decides for this model
 (docs/gguf.md#type-policy, #quant-mixes), so a `q4_k_m` file from dgemma has the same type mix as Unsloth's Q4_K_M. The
 bytes come from `ggml_quantize_chunk` of the ggml that llama-cpp-python ships (K-quants are real K-quants), loaded after
-`llama_cpp` so the process holds exactly one ggml.
+`llama_cpp` so the process holds exactly one ggml, or from dgemma's byte-identical fast K-quants
+(docs/convert.md#fast-k-quants).
 """
 from __future__ import annotations
 
