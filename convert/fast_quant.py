@@ -1,4 +1,4 @@
-"""dgemma's own Q4_K/Q5_K/Q6_K quantizers (convert/csrc/kquant_fast.c), byte-identical to ggml's and several times faster.
+"""dgemma's own Q4_K/Q5_K/Q6_K quantizers (convert/csrc/kquant_fast.c): ggml's bytes, several times faster.
 
 They run ggml's reference arithmetic with the 8 sub-blocks of a super-block side by side in AVX2 lanes
 (docs/convert.md#fast-k-quants). Loaded with ctypes after ggml; `load_fast_quantizer()` is None where the library is
