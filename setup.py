@@ -46,4 +46,15 @@ sampler = Extension(
     extra_link_args=["-pthread", "-lm"],
 )
 
-setup(ext_modules=[ext for ext in (engine, sampler) if ext.sources])
+# The converter's fast Q4_K/Q5_K/Q6_K quantizers: byte-identical to ggml's only if no multiply-add is ever fused.
+kquant = Extension(
+    "dgemma_convert._quant",
+    sources=sorted(glob.glob("convert/csrc/*.c")),
+    include_dirs=[include_dir],
+    library_dirs=[lib_dir],
+    libraries=["ggml-base"],
+    extra_compile_args=common_args + ["-ffp-contract=off", "-fno-fast-math"],
+    extra_link_args=["-Wl,-rpath,$ORIGIN/../llama_cpp/lib", "-pthread"],
+)
+
+setup(ext_modules=[ext for ext in (engine, sampler, kquant) if ext.sources])

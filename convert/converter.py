@@ -8,10 +8,12 @@ chunks: peak memory is a few chunks, independent of the model size.
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
@@ -26,6 +28,7 @@ from dgemma_convert.tokenizer_meta import load_tokenizer
 from dgemma_convert.writer import StreamingGGUFWriter
 
 CHUNK_ELEMENTS = 1 << 24  # 16 Mi elements per chunk: 64 MiB as float32
+PREFETCH_CHUNKS = 1  # decoded ahead while the current chunk is quantized: one more chunk in memory
 RAW_CHUNK_BYTES = 64 << 20
 # safetensors dtype -> the GGML type whose bytes are identical (these copy through unchanged)
 SAME_BYTES = {"F32": T.F32, "F16": T.F16, "BF16": T.BF16}
@@ -173,7 +176,51 @@ def _tensor_bytes(t: PlannedTensor, entry: TensorEntry | None, ckpt: Checkpoint,
     if SAME_BYTES.get(entry.dtype) == t.ggml_type:  # bit-exact copy
         yield from ckpt.iter_raw(entry, RAW_CHUNK_BYTES, n_rows)
         return
-    yield from encode_rows(ckpt.iter_rows_f32(entry, CHUNK_ELEMENTS, n_rows), t.ggml_type, quantizer)
+    yield from encode_rows(prefetched(ckpt.iter_rows_f32(entry, CHUNK_ELEMENTS, n_rows)), t.ggml_type, quantizer)
+
+
+Item = TypeVar("Item")
+
+
+def prefetched(items: Iterator[Item], depth: int = PREFETCH_CHUNKS) -> Iterator[Item]:
+    """The same items in the same order, produced on a background thread at most `depth` ahead of the caller.
+
+    Reading and decoding the next chunk (file reads and numpy release the GIL) then overlap with quantizing the
+    current one; at most depth + 1 items are alive at once. The producer stops when the caller stops early, and its
+    exceptions are raised in the caller.
+    """
+    ready: queue.Queue = queue.Queue()
+    slots = threading.Semaphore(depth + 1)  # the caller's current item, and the ones made ahead of it
+    stop = threading.Event()
+    end = object()
+
+    def produce() -> None:
+        try:
+            while True:
+                while not slots.acquire(timeout=0.1):
+                    if stop.is_set():
+                        return
+                item = end if stop.is_set() else next(items, end)
+                ready.put((item, None))
+                if item is end:
+                    return
+        except BaseException as exc:  # handed to the caller, raised there
+            ready.put((end, exc))
+
+    producer = threading.Thread(target=produce, name="convert-prefetch", daemon=True)
+    producer.start()
+    try:
+        while True:
+            item, error = ready.get()
+            if error is not None:
+                raise error
+            if item is end:
+                return
+            yield item
+            slots.release()  # the caller is done with this item
+    finally:
+        stop.set()
+        producer.join()
 
 
 def encode_rows(chunks: Iterator[np.ndarray], ggml_type: T, quantizer: GGMLQuantizer | None) -> Iterator[np.ndarray]:

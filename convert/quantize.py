@@ -3,7 +3,8 @@
 The policy reproduces what `llama-quantize` (src/llama-quant.cpp, `llama_tensor_get_type`) decides for this model
 (docs/gguf.md#type-policy, #quant-mixes), so a `q4_k_m` file from dgemma has the same type mix as Unsloth's Q4_K_M. The
 bytes come from `ggml_quantize_chunk` of the ggml that llama-cpp-python ships (K-quants are real K-quants), loaded after
-`llama_cpp` so the process holds exactly one ggml.
+`llama_cpp` so the process holds exactly one ggml, or from dgemma's byte-identical fast K-quants
+(docs/convert.md#fast-k-quants).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, LlamaFileType as FT, GGMLQuantizationType as T
 
 from dgemma_convert.errors import ConvertError
+from dgemma_convert.fast_quant import FastQuantizer, load_fast_quantizer, probe_rows
 from dgemma_convert.tensor_map import TensorSpec, float_type, is_quantizable
 
 
@@ -113,12 +115,27 @@ def choose_types(specs: Sequence[TensorSpec], n_layer: int, out: OutType) -> lis
 
 
 class GGMLQuantizer:
-    """`ggml_quantize_chunk` of llama-cpp-python's ggml, run over row ranges on a few threads."""
+    """`ggml_quantize_chunk` of llama-cpp-python's ggml, run over row ranges on a few threads.
 
-    def __init__(self, threads: int = 2):
+    Q4_K, Q5_K and Q6_K go to dgemma's faster quantizers where the CPU has them (dgemma_convert.fast_quant), for
+    each type only after they matched ggml's bytes on probe rows in this process.
+    """
+
+    def __init__(self, threads: int = 2, fast: bool = True):
         self.threads = max(1, threads)
         self._lib = _load_ggml_base()
         self._initialized: set[T] = set()
+        self._fast: FastQuantizer | None = load_fast_quantizer() if fast else None
+        self.fast_types: frozenset[T] = frozenset()
+        if self._fast is not None:
+            probe = probe_rows()
+            self.fast_types = frozenset(t for t in self._fast.types
+                                        if np.array_equal(self.quantize(t, probe), self._fast_bytes(t, probe)))
+
+    def _fast_bytes(self, t: T, rows: np.ndarray) -> np.ndarray:
+        out = np.zeros(rows.shape[0] * self.row_size(t, rows.shape[1]), dtype=np.uint8)
+        written = self._fast.quantize(t, rows.ctypes.data, out.ctypes.data, rows.shape[0], rows.shape[1])
+        return out if written == out.nbytes else out[:0]
 
     def row_size(self, t: T, row_length: int) -> int:
         return self._lib.ggml_row_size(int(t), row_length)
@@ -134,12 +151,14 @@ class GGMLQuantizer:
             self._initialized.add(t)
         row_bytes = self.row_size(t, row_length)
         out = np.empty(n_rows * row_bytes, dtype=np.uint8)
+        fast = self._fast if t in self.fast_types else None
 
         def run(part: tuple[int, int]) -> int:
             first, count = part
             src = rows.ctypes.data + first * row_length * 4
             dst = out.ctypes.data + first * row_bytes
-            return self._lib.ggml_quantize_chunk(int(t), src, dst, 0, count, row_length, None)
+            written = fast.quantize(t, src, dst, count, row_length) if fast is not None else 0
+            return written or self._lib.ggml_quantize_chunk(int(t), src, dst, 0, count, row_length, None)
 
         step = max(1, -(-n_rows // self.threads))
         parts = [(first, min(step, n_rows - first)) for first in range(0, n_rows, step)]
