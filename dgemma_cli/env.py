@@ -205,7 +205,12 @@ RPC = Var("DGEMMA_RPC", "list", (), "",
           "loopback or a private network only", _comma_list)
 ENGINE = (PROFILE_NODES, STANDARD_OPS, RPC, QKERNELS)
 
-ALL = SERVER + CLIENT + ENGINE
+# Read by the converter itself (dgemma_convert.fast_quant), listed here so the table is complete.
+FAST_QUANT = Var("DGEMMA_FAST_QUANT", "boolean", True, "on",
+                 "`0`: ggml's own K-quant quantizers instead of the converter's byte-identical AVX2 ones", parse_bool)
+CONVERT = (FAST_QUANT,)
+
+ALL = SERVER + CLIENT + ENGINE + CONVERT
 
 
 def markdown_table(variables: tuple[Var, ...]) -> str:
@@ -227,4 +232,5 @@ def docs_block(variables: tuple[Var, ...], marker: str) -> str:
     return f"<!-- env:{marker} -->\n{markdown_table(variables)}\n<!-- /env:{marker} -->"
 
 
-DOCS = {"docs/server.md": (SERVER, "server"), "docs/store.md": (CLIENT, "client"), "docs/engine.md": (ENGINE, "engine")}
+DOCS = {"docs/server.md": (SERVER, "server"), "docs/store.md": (CLIENT, "client"), "docs/engine.md": (ENGINE, "engine"),
+        "docs/convert.md": (CONVERT, "convert")}
