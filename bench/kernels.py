@@ -4,6 +4,8 @@
                              [--shapes real6,mid] [--only NAME] [--reps 3] [--json out]
 
 For each weight shape and type: ggml's mul_mat_id (experts) or mul_mat (dense) on random weights quantized by ggml,
+the same op with the weights in ggml's CPU repack buffer (interleaved for its tiled kernels, as llama.cpp loads them;
+Q4_0, Q4_K, IQ4_NL),
 the engine's kernels on the same shape (dgemma_engine's dg_bench_mul_mat with engine_op set; DGEMMA_QKERNELS picks
 the path), and numpy's F32 matmul on the same shapes in the same run (per expert: [rows, kd] × [kd, m]).
 Expert shapes keep the real rows per expert (256 tokens × top-k / experts) with fewer experts, so that the weights
@@ -61,10 +63,14 @@ def engine_bench():
                    ctypes.c_size_t]
     err = ctypes.create_string_buffer(256)
 
-    def run(type_id: int, s: Shape, engine_op: bool, threads: int, reps: int) -> tuple[float, float]:
+    def run(type_id: int, s: Shape, engine_op: int, threads: int, reps: int) -> tuple[float, float] | None:
+        """engine_op 0: ggml's op on a plain buffer, 1: ours, 2: ggml's op on its CPU repack buffer (None: no repack
+        for this type)."""
         cpu = ctypes.c_double(0)
-        wall = fn(type_id, s.kd, s.m, s.tokens, s.n_expert, s.n_used, int(engine_op), threads, reps,
+        wall = fn(type_id, s.kd, s.m, s.tokens, s.n_expert, s.n_used, engine_op, threads, reps,
                   ctypes.byref(cpu), err, len(err))
+        if wall == -2 and engine_op == 2:
+            return None
         if wall < 0:
             raise RuntimeError(err.value.decode())
         return wall, cpu.value
@@ -121,20 +127,24 @@ def main() -> None:
     report = {"cpu": cpu_description(), "threads": args.threads, "clock": "cpu" if args.cpu_time else "wall",
               "path": os.environ.get("DGEMMA_QKERNELS", "auto"), "rows": []}
     print(report["cpu"], f"| {args.threads} threads | {report['clock']} time | DGEMMA_QKERNELS={report['path']}")
-    print(f"{'shape':<28} {'type':<5} {'ggml GF/s':>9} {'ours GF/s':>9} {'numpy F32':>9} {'ours/ggml':>9} "
-          f"{'ours/F32':>8}")
+    print(f"{'shape':<28} {'type':<6} {'ggml GF/s':>9} {'repack':>7} {'ours GF/s':>9} {'numpy F32':>9} "
+          f"{'ours/ggml':>9} {'ours/F32':>8}")
     for group, s in shapes:
         flop = 2.0 * s.kd * s.m * s.tokens * (s.n_used or 1)
         f32 = f32_rate[id(s)]
         for t in args.types.split(","):
             if s.kd % BLOCK[t]:
                 continue  # K-quants need rows of 256 (the 704-wide rows fall back to 32-element types)
-            ggml = flop / (run(TYPES[t], s, False, args.threads, args.reps)[which] / scale) / 1e9
-            ours = flop / (run(TYPES[t], s, True, args.threads, args.reps)[which] / scale) / 1e9
+            ggml = flop / (run(TYPES[t], s, 0, args.threads, args.reps)[which] / scale) / 1e9
+            ours = flop / (run(TYPES[t], s, 1, args.threads, args.reps)[which] / scale) / 1e9
+            repacked = run(TYPES[t], s, 2, args.threads, args.reps)
+            repack = flop / (repacked[which] / scale) / 1e9 if repacked else None
             row = {**asdict(s), "group": group, "type": t, "ggml_gflops": round(ggml, 1),
-                   "ours_gflops": round(ours, 1), "numpy_f32_gflops": round(f32, 1)}
+                   "ggml_repack_gflops": repack and round(repack, 1), "ours_gflops": round(ours, 1),
+                   "numpy_f32_gflops": round(f32, 1)}
             report["rows"].append(row)
-            print(f"{group + ' ' + s.name:<28} {t:<5} {ggml:9.1f} {ours:9.1f} {f32:9.1f} {ours / ggml:9.2f} "
+            shown = f"{repack:7.1f}" if repack else f"{'–':>7}"
+            print(f"{group + ' ' + s.name:<28} {t:<6} {ggml:9.1f} {shown} {ours:9.1f} {f32:9.1f} {ours / ggml:9.2f} "
                   f"{ours / f32:8.2f}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

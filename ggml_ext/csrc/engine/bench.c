@@ -24,10 +24,24 @@ static uint64_t next_rand(uint64_t *s) {  // splitmix64
 
 static float rand_float(uint64_t *s) { return (float)((double)(next_rand(s) >> 11) * 0x1.0p-53 * 2.0 - 1.0); }
 
+// ggml's CPU "repack" buffer type (weights interleaved at upload for its tiled kernels), or NULL when this ggml has
+// none. llama.cpp uses it by default; the engine's mapped weights do not (bench/kernels.py measures the difference).
+static ggml_backend_buffer_type_t cpu_repack_buft(void) {
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (!cpu) return NULL;
+    typedef ggml_backend_buffer_type_t *(*extra_bufts_fn)(ggml_backend_dev_t);
+    extra_bufts_fn extra = (extra_bufts_fn)ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(cpu),
+                                                                             "ggml_backend_dev_get_extra_bufts");
+    for (ggml_backend_buffer_type_t *b = extra ? extra(cpu) : NULL; b && *b; b++) {
+        if (strcmp(ggml_backend_buft_name(*b), "CPU_REPACK") == 0) return *b;
+    }
+    return NULL;
+}
+
 // Seconds per product (best of `reps`) of a [k, m] weight of `type` (n_expert > 0: [k, m, n_expert] experts used
-// n_used at a time per token through mul_mat_id, or through the engine's own expert matmul when engine_op is set;
-// dense weights with engine_op go through the engine's quantized product where it covers the type) with n F32
-// activation columns. Returns < 0 on failure.
+// n_used at a time per token through mul_mat_id) with n F32 activation columns. engine_op: 0 ggml's op on a plain CPU
+// buffer (how the engine maps weights); 1 the engine's own expert matmul / quantized product where it covers the
+// type; 2 ggml's op on its CPU repack buffer (Q4_0, Q4_K, IQ4_NL). Returns < 0 on failure (-2: no repack for the type).
 // *cpu_seconds: process CPU time of that best run (equals wall time at one thread on an idle machine; on a loaded
 // machine it is the load-independent measure).
 DG_API double dg_bench_mul_mat(int type, int64_t k, int64_t m, int64_t n, int n_expert, int n_used, int engine_op,
@@ -38,34 +52,47 @@ DG_API double dg_bench_mul_mat(int type, int64_t k, int64_t m, int64_t n, int n_
         return -1;
     }
     const int n_mat = n_expert > 0 ? n_expert : 1;
+    // the types whose repacked products ran here (Q6_K and Q8_0 weights in a repack buffer crashed this ggml's CPU
+    // backend on these shapes, so they are not offered)
+    const bool repackable = type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_K || type == GGML_TYPE_IQ4_NL;
+    ggml_backend_buffer_type_t repack = engine_op == 2 && repackable ? cpu_repack_buft() : NULL;
+    if (engine_op == 2 && !repack) {
+        dg_set_err(err, err_len, "no CPU repack buffer type for %s in this ggml", ggml_type_name((enum ggml_type)type));
+        return -2;
+    }
     struct ggml_init_params ip = {ggml_tensor_overhead() * 8 + ggml_graph_overhead(), NULL, true};
-    struct ggml_context *ctx = ggml_init(ip);
+    struct ggml_context *ctx = ggml_init(ip), *ctx_w = ggml_init(ip);
     ggml_backend_t backend = ggml_backend_cpu_init();
     ggml_backend_cpu_set_n_threads(backend, n_threads);
-    struct ggml_tensor *w = ggml_new_tensor_3d(ctx, (enum ggml_type)type, k, m, n_mat);
+    struct ggml_tensor *w = ggml_new_tensor_3d(ctx_w, (enum ggml_type)type, k, m, n_mat);
     struct ggml_tensor *x = n_expert > 0 ? ggml_new_tensor_3d(ctx, GGML_TYPE_F32, k, 1, n)
                                          : ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n);
     struct ggml_tensor *ids = n_expert > 0 ? ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_used, n) : NULL;
-    struct ggml_tensor *y = n_expert == 0 ? (engine_op ? dg_build_qmatmul(ctx, w, x, dg_qk_default_path()) : NULL)
-                           : engine_op ? dg_build_expert_matmul(ctx, w, x, ids)
-                                       : ggml_mul_mat_id(ctx, w, x, ids);
+    struct ggml_tensor *y = n_expert == 0 ? (engine_op == 1 ? dg_build_qmatmul(ctx, w, x, dg_qk_default_path()) : NULL)
+                           : engine_op == 1 ? dg_build_expert_matmul(ctx, w, x, ids)
+                                            : ggml_mul_mat_id(ctx, w, x, ids);
     if (!y) y = ggml_mul_mat(ctx, w, x);
     struct ggml_cgraph *gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, y);
     ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+    ggml_backend_buffer_t buf_w = repack ? ggml_backend_alloc_ctx_tensors_from_buft(ctx_w, repack)
+                                         : ggml_backend_alloc_ctx_tensors(ctx_w, backend);
     double best = -1;
     float *row = malloc(sizeof(float) * (size_t)k * 64);
-    if (!buf || !row) {
+    char *wq = malloc(ggml_nbytes(w));  // quantised here, then uploaded whole (a repack buffer interleaves on upload)
+    if (!buf || !buf_w || !row || !wq) {
         dg_set_err(err, err_len, "out of memory");
         goto done;
     }
+    if (repack) ggml_backend_buffer_set_usage(buf_w, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     uint64_t seed = 1;
     const int64_t rows = m * n_mat;
     for (int64_t r0 = 0; r0 < rows; r0 += 64) {  // random weights, quantised by ggml itself
         const int64_t nr = rows - r0 < 64 ? rows - r0 : 64;
         for (int64_t i = 0; i < nr * k; i++) row[i] = rand_float(&seed);
-        ggml_quantize_chunk((enum ggml_type)type, row, (char *)w->data + r0 * w->nb[1], 0, nr, k, NULL);
+        ggml_quantize_chunk((enum ggml_type)type, row, wq + r0 * w->nb[1], 0, nr, k, NULL);
     }
+    ggml_backend_tensor_set(w, wq, 0, ggml_nbytes(w));
     for (int64_t i = 0; i < ggml_nelements(x); i++) ((float *)x->data)[i] = rand_float(&seed);
     if (ids) {
         for (int64_t t = 0; t < n; t++) {  // n_used distinct experts per token
@@ -92,9 +119,12 @@ DG_API double dg_bench_mul_mat(int type, int64_t k, int64_t m, int64_t n, int n_
     }
 done:
     free(row);
+    free(wq);
     if (buf) ggml_backend_buffer_free(buf);
+    if (buf_w) ggml_backend_buffer_free(buf_w);
     ggml_backend_free(backend);
     ggml_free(ctx);
+    ggml_free(ctx_w);
     return best;
 }
 
