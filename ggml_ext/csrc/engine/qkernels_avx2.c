@@ -86,18 +86,22 @@ TARGET static void block_scales(const dg_qk_job *job, int64_t j0, int64_t j1, si
 
 #define W_ROW(T, j) ((const T *)(job->w + (size_t)(j) * job->w_row))
 
-TARGET static void q8_0_job(const dg_qk_job *job) {
-    for (int64_t j0 = job->n0; j0 < job->n1; j0 += DG_QK_ROW_CHUNK) {
-        const int64_t j1 = j0 + DG_QK_ROW_CHUNK < job->n1 ? j0 + DG_QK_ROW_CHUNK : job->n1;
-        block_scales(job, j0, j1, sizeof(dg_block_q8_0), job->scratch);
-#define Q8_0_TILE(n)                                                                                  \
-    for (int64_t j = j0; j < j1; j++)                                                                 \
-        q8_0_tile(W_ROW(dg_block_q8_0, j), job->scratch + (j - j0) * job->nb, job->x + r, job->y + r, j, job->nb, \
-                  job->side, n)
-        FOR_EACH_TILE(6, job->n_rows, Q8_0_TILE);
-#undef Q8_0_TILE
+// The job of a type whose tile takes f32 block scales (NAME##_tile): per chunk of weight rows, the rows' scales, then
+// every row against each tile of routed inputs. NAME##_TILE(n) must name the tile call (SCALED_TILE).
+#define SCALED_TILE(NAME, BLOCK, n)                                                                                \
+    for (int64_t j = j0; j < j1; j++)                                                                              \
+    NAME##_tile(W_ROW(BLOCK, j), job->scratch + (j - j0) * job->nb, job->x + r, job->y + r, j, job->nb, job->side, n)
+#define DEFINE_SCALED_JOB(NAME, BLOCK)                                                                             \
+    TARGET static void NAME##_job(const dg_qk_job *job) {                                                          \
+        for (int64_t j0 = job->n0; j0 < job->n1; j0 += DG_QK_ROW_CHUNK) {                                          \
+            const int64_t j1 = j0 + DG_QK_ROW_CHUNK < job->n1 ? j0 + DG_QK_ROW_CHUNK : job->n1;                    \
+            block_scales(job, j0, j1, sizeof(BLOCK), job->scratch);                                                \
+            FOR_EACH_TILE(6, job->n_rows, NAME##_TILE);                                                            \
+        }                                                                                                          \
     }
-}
+
+#define q8_0_TILE(n) SCALED_TILE(q8_0, dg_block_q8_0, n)
+DEFINE_SCALED_JOB(q8_0, dg_block_q8_0)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Q5_0 weights × Q8_0 activations: the 5-bit values q (0..31) unpacked to bytes, Σ q·x per block in s32 lanes, the
@@ -144,18 +148,8 @@ INLINE void q5_0_tile(const dg_block_q5_0 *w, const float *dw, const uint8_t **x
     for (int b = 0; b < NR; b++) y[b][j] = hsum8(acc[b]);
 }
 
-TARGET static void q5_0_job(const dg_qk_job *job) {
-    for (int64_t j0 = job->n0; j0 < job->n1; j0 += DG_QK_ROW_CHUNK) {
-        const int64_t j1 = j0 + DG_QK_ROW_CHUNK < job->n1 ? j0 + DG_QK_ROW_CHUNK : job->n1;
-        block_scales(job, j0, j1, sizeof(dg_block_q5_0), job->scratch);
-#define Q5_0_TILE(n)                                                                                  \
-    for (int64_t j = j0; j < j1; j++)                                                                 \
-        q5_0_tile(W_ROW(dg_block_q5_0, j), job->scratch + (j - j0) * job->nb, job->x + r, job->y + r, j, job->nb, \
-                  job->side, n)
-        FOR_EACH_TILE(6, job->n_rows, Q5_0_TILE);
-#undef Q5_0_TILE
-    }
-}
+#define q5_0_TILE(n) SCALED_TILE(q5_0, dg_block_q5_0, n)
+DEFINE_SCALED_JOB(q5_0, dg_block_q5_0)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Q4_K weights × Q8_K activations: per super-block Σ_j scale_j · Σ q·x (0 ≤ q ≤ 15) in s32 lanes, times d·dx; the
@@ -340,18 +334,8 @@ INLINE void iq4_nl_tile(const dg_block_iq4_nl *w, const float *dw, const uint8_t
     for (int b = 0; b < NR; b++) y[b][j] = hsum8(acc[b]);
 }
 
-TARGET static void iq4_nl_job(const dg_qk_job *job) {
-    for (int64_t j0 = job->n0; j0 < job->n1; j0 += DG_QK_ROW_CHUNK) {
-        const int64_t j1 = j0 + DG_QK_ROW_CHUNK < job->n1 ? j0 + DG_QK_ROW_CHUNK : job->n1;
-        block_scales(job, j0, j1, sizeof(dg_block_iq4_nl), job->scratch);
-#define IQ4_NL_TILE(n)                                                                                \
-    for (int64_t j = j0; j < j1; j++)                                                                 \
-        iq4_nl_tile(W_ROW(dg_block_iq4_nl, j), job->scratch + (j - j0) * job->nb, job->x + r, job->y + r, j, job->nb, \
-                    job->side, n)
-        FOR_EACH_TILE(6, job->n_rows, IQ4_NL_TILE);
-#undef IQ4_NL_TILE
-    }
-}
+#define iq4_nl_TILE(n) SCALED_TILE(iq4_nl, dg_block_iq4_nl, n)
+DEFINE_SCALED_JOB(iq4_nl, dg_block_iq4_nl)
 
 typedef struct {  // one IQ4_XS super-block of a weight row, decoded once per row chunk
     int16_t scales[8];  // scale_j − 32
