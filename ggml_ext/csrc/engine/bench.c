@@ -15,14 +15,24 @@ static double clock_s(clockid_t id) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static uint64_t next_rand(uint64_t *s) {  // splitmix64
+uint64_t dg_next_rand(uint64_t *s) {  // splitmix64
     uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
 }
 
-static float rand_float(uint64_t *s) { return (float)((double)(next_rand(s) >> 11) * 0x1.0p-53 * 2.0 - 1.0); }
+float dg_rand_float(uint64_t *s) { return (float)((double)(dg_next_rand(s) >> 11) * 0x1.0p-53 * 2.0 - 1.0); }
+
+double dg_max_rel_diff(const float *got, const float *want, int64_t n) {
+    double max_diff = 0, max_abs = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const double a = got[i], b = want[i];
+        max_diff = a != a ? INFINITY : fmax(max_diff, fabs(a - b));
+        max_abs = fmax(max_abs, fabs(b));
+    }
+    return max_abs > 0 ? max_diff / max_abs : max_diff;
+}
 
 // ggml's CPU "repack" buffer type (weights interleaved at upload for its tiled kernels), or NULL when this ggml has
 // none. llama.cpp uses it by default; the engine's mapped weights do not (bench/kernels.py measures the difference).
@@ -89,11 +99,11 @@ DG_API double dg_bench_mul_mat(int type, int64_t k, int64_t m, int64_t n, int n_
     const int64_t rows = m * n_mat;
     for (int64_t r0 = 0; r0 < rows; r0 += 64) {  // random weights, quantised by ggml itself
         const int64_t nr = rows - r0 < 64 ? rows - r0 : 64;
-        for (int64_t i = 0; i < nr * k; i++) row[i] = rand_float(&seed);
+        for (int64_t i = 0; i < nr * k; i++) row[i] = dg_rand_float(&seed);
         ggml_quantize_chunk((enum ggml_type)type, row, wq + r0 * w->nb[1], 0, nr, k, NULL);
     }
     ggml_backend_tensor_set(w, wq, 0, ggml_nbytes(w));
-    for (int64_t i = 0; i < ggml_nelements(x); i++) ((float *)x->data)[i] = rand_float(&seed);
+    for (int64_t i = 0; i < ggml_nelements(x); i++) ((float *)x->data)[i] = dg_rand_float(&seed);
     if (ids) {
         for (int64_t t = 0; t < n; t++) {  // n_used distinct experts per token
             int32_t *sel = (int32_t *)ids->data + t * n_used;
@@ -101,7 +111,7 @@ DG_API double dg_bench_mul_mat(int type, int64_t k, int64_t m, int64_t n, int n_
                 int e;
                 bool fresh;
                 do {
-                    e = (int)(next_rand(&seed) % (uint64_t)n_expert);
+                    e = (int)(dg_next_rand(&seed) % (uint64_t)n_expert);
                     fresh = true;
                     for (int q = 0; q < j; q++) fresh &= sel[q] != e;
                 } while (!fresh);
@@ -155,20 +165,14 @@ DG_API double dg_check_expert_matmul(int64_t kd, int64_t n, int n_expert, int n_
     ggml_build_forward_expand(gf, ref);
     buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
     if (!buf) goto done;
-    for (int64_t i = 0; i < ggml_nelements(w); i++) ((float *)w->data)[i] = rand_float(&seed);
-    for (int64_t i = 0; i < ggml_nelements(x); i++) ((float *)x->data)[i] = rand_float(&seed);
+    for (int64_t i = 0; i < ggml_nelements(w); i++) ((float *)w->data)[i] = dg_rand_float(&seed);
+    for (int64_t i = 0; i < ggml_nelements(x); i++) ((float *)x->data)[i] = dg_rand_float(&seed);
     for (int64_t r = 0; r < t; r++) {  // n_used distinct experts from a random start: uneven counts per expert
-        const int start = (int)(next_rand(&seed) % (uint64_t)n_expert);
+        const int start = (int)(dg_next_rand(&seed) % (uint64_t)n_expert);
         for (int k = 0; k < n_used; k++) ((int32_t *)ids->data)[r * n_used + k] = (start + k) % n_expert;
     }
     ggml_backend_graph_compute(backend, gf);
-    double max_diff = 0, max_abs = 0;
-    for (int64_t i = 0; i < ggml_nelements(ref); i++) {
-        const double a = ((float *)tiled->data)[i], b = ((float *)ref->data)[i];
-        max_diff = a != a ? INFINITY : fmax(max_diff, fabs(a - b));
-        max_abs = fmax(max_abs, fabs(b));
-    }
-    result = max_abs > 0 ? max_diff / max_abs : max_diff;
+    result = dg_max_rel_diff(tiled->data, ref->data, ggml_nelements(ref));
 done:
     if (buf) ggml_backend_buffer_free(buf);
     if (backend) ggml_backend_free(backend);
@@ -206,11 +210,11 @@ DG_API double dg_check_soft_embedding(int type, int64_t v, int64_t h, int64_t n,
     deq = malloc(sizeof(float) * (size_t)h);
     if (!buf || !row || !deq) goto done;
     for (int64_t r = 0; r < v; r++) {
-        for (int64_t i = 0; i < h; i++) row[i] = rand_float(&seed);
+        for (int64_t i = 0; i < h; i++) row[i] = dg_rand_float(&seed);
         if (type == GGML_TYPE_F32) memcpy((char *)e->data + r * e->nb[1], row, sizeof(float) * (size_t)h);
         else ggml_quantize_chunk((enum ggml_type)type, row, (char *)e->data + r * e->nb[1], 0, 1, h, NULL);
     }
-    for (int64_t i = 0; i < ggml_nelements(p); i++) ((float *)p->data)[i] = 0.5f * (rand_float(&seed) + 1.0f);
+    for (int64_t i = 0; i < ggml_nelements(p); i++) ((float *)p->data)[i] = 0.5f * (dg_rand_float(&seed) + 1.0f);
     ggml_backend_graph_compute(backend, gf);
     if (seconds) *seconds = -1;
     for (int r = 0; r < reps; r++) {
@@ -264,10 +268,10 @@ DG_API int64_t dg_check_row_dequantizer(int type, int64_t n_blocks, int isa, uin
     float *ours = malloc(sizeof(float) * (size_t)k), *theirs = malloc(sizeof(float) * (size_t)k);
     int64_t differ = -1;
     if (src && ours && theirs) {
-        for (size_t i = 0; i < bytes; i++) src[i] = (uint8_t)next_rand(&seed);
+        for (size_t i = 0; i < bytes; i++) src[i] = (uint8_t)dg_next_rand(&seed);
         const size_t scale_at = type == GGML_TYPE_Q8_0 ? 0 : 208;  // offset of the fp16 d inside one block
         for (int64_t b = 0; b < n_blocks; b++) {
-            const ggml_fp16_t d = ggml_fp32_to_fp16(rand_float(&seed) * 0.01f);
+            const ggml_fp16_t d = ggml_fp32_to_fp16(dg_rand_float(&seed) * 0.01f);
             memcpy(src + (size_t)b * ggml_type_size((enum ggml_type)type) + scale_at, &d, sizeof(d));
         }
         dg_row_dequantizer((enum ggml_type)type, isa == 1)(src, ours, k);

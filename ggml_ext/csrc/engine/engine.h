@@ -187,4 +187,9 @@ bool dg_unit_fast(const dg_model *m, int unit);
 bool dg_experts_fast(const dg_model *m, int il);
 struct ggml_tensor *dg_lm_head(const dg_model *m);
 
+// bench.c: what the test hooks share: seeded random numbers (splitmix64; floats in [-1, 1)) and max |Δ| / max |want|
+uint64_t dg_next_rand(uint64_t *s);
+float dg_rand_float(uint64_t *s);
+double dg_max_rel_diff(const float *got, const float *want, int64_t n);
+
 void dg_set_err(char *err, size_t err_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

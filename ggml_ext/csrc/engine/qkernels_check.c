@@ -3,16 +3,8 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "engine.h"
 #include "qkernels.h"
-
-static uint64_t next_rand(uint64_t *s) {  // splitmix64
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-static float rand_float(uint64_t *s) { return (float)((double)(next_rand(s) >> 11) * 0x1.0p-53 * 2.0 - 1.0); }
 
 // Routing of token r's n_used slots. rows_per_expert > 0: tokens in consecutive groups of that many share their
 // experts ((r / rows_per_expert) · n_used + k, mod n_expert), so each used expert gets exactly that many rows when
@@ -20,7 +12,7 @@ static float rand_float(uint64_t *s) { return (float)((double)(next_rand(s) >> 1
 static void route(int32_t *ids, int64_t t, int n_expert, int n_used, int rows_per_expert, uint64_t *seed) {
     for (int64_t r = 0; r < t; r++) {
         const int64_t start = rows_per_expert > 0 ? (r / rows_per_expert) * n_used
-                                                  : (int64_t)(next_rand(seed) % (uint64_t)n_expert);
+                                                  : (int64_t)(dg_next_rand(seed) % (uint64_t)n_expert);
         for (int k = 0; k < n_used; k++) ids[r * n_used + k] = (int32_t)((start + k) % n_expert);
     }
 }
@@ -63,19 +55,13 @@ DG_API double dg_check_qmatmul(int type, int64_t kd, int64_t n, int n_expert, in
     row = malloc(sizeof(float) * (size_t)kd);
     if (!buf || !row) goto done;
     for (int64_t r = 0; r < ggml_nrows(w); r++) {
-        for (int64_t i = 0; i < kd; i++) row[i] = rand_float(&seed);
+        for (int64_t i = 0; i < kd; i++) row[i] = dg_rand_float(&seed);
         ggml_quantize_chunk((enum ggml_type)type, row, (char *)w->data + r * w->nb[1], 0, 1, kd, NULL);
     }
-    for (int64_t i = 0; i < ggml_nelements(x); i++) ((float *)x->data)[i] = rand_float(&seed);
+    for (int64_t i = 0; i < ggml_nelements(x); i++) ((float *)x->data)[i] = dg_rand_float(&seed);
     if (ids) route(ids->data, t, n_expert, n_used, rows_per_expert, &seed);
     ggml_backend_graph_compute(backend, gf);
-    double max_diff = 0, max_abs = 0;
-    for (int64_t i = 0; i < ggml_nelements(ref); i++) {
-        const double a = ((float *)ours->data)[i], b = ((float *)ref->data)[i];
-        max_diff = a != a ? INFINITY : fmax(max_diff, fabs(a - b));
-        max_abs = fmax(max_abs, fabs(b));
-    }
-    result = max_abs > 0 ? max_diff / max_abs : max_diff;
+    result = dg_max_rel_diff(ours->data, ref->data, ggml_nelements(ref));
 done:
     free(row);
     if (buf) ggml_backend_buffer_free(buf);
