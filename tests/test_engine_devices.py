@@ -24,7 +24,7 @@ from dgemma_engine import devices
 from dgemma_engine.errors import EngineError
 from dgemma_engine.model import Model, Placement
 from test_engine import FIXTURE_NAMES, TOLERANCE
-from test_generate_free_running import golden, params_for
+from test_generate_free_running import debug_generate_cmd, golden, params_for
 
 from dgemma_cli.cmd_run import ps_table
 from dgemma_cli.server.runner import vram_bytes
@@ -155,13 +155,8 @@ def test_rpc_split_matches_transformers_and_generates_the_golden_sequences(gguf_
 @needs_rpc
 def test_debug_generate_cli_on_an_rpc_split(gguf_path, rpc_endpoint):
     meta, gen, rec = golden("tiny-a", "g2_seed7")
-    cmd = [sys.executable, "-m", "dgemma_cli.main", "debug", "generate", str(gguf_path("tiny-a", "f32")),
-           "--prompt-ids", ",".join(map(str, rec["prompt"].tolist())), "--seed", str(meta["seed"]), "--rng", "torch",
-           "--max-new-tokens", str(gen["max_new_tokens"]), "--steps", str(gen["max_denoising_steps"]),
-           "--t-max", str(gen["t_max"]), "--t-min", str(gen["t_min"]), "--entropy-bound", str(gen["entropy_bound"]),
-           "--confidence-threshold", str(gen["confidence_threshold"]),
-           "--stability-threshold", str(gen["stability_threshold"]), "--threads", "1", "--num-gpu", "3",
-           "--num-cpu-moe", "3"]
+    cmd = debug_generate_cmd(gguf_path("tiny-a", "f32"), meta, gen, rec, "--threads", "1", "--num-gpu", "3",
+                             "--num-cpu-moe", "3")
     env = {**__import__("os").environ, "DGEMMA_RPC": rpc_endpoint}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr

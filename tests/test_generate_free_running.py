@@ -92,16 +92,21 @@ def test_robust_runs_are_reproduced_exactly(models, name: str, run: str) -> None
     assert out["steps_per_canvas"] == meta["steps_per_canvas"]
 
 
+def debug_generate_cmd(gguf, meta: dict, gen: dict, rec: dict, *extra: str) -> list[str]:
+    """`dgemma debug generate` replaying a golden run's prompt, seed and sampler settings (torch RNG)."""
+    return [sys.executable, "-m", "dgemma_cli.main", "debug", "generate", str(gguf),
+            "--prompt-ids", ",".join(map(str, rec["prompt"].tolist())), "--seed", str(meta["seed"]), "--rng", "torch",
+            "--max-new-tokens", str(gen["max_new_tokens"]), "--steps", str(gen["max_denoising_steps"]),
+            "--t-max", str(gen["t_max"]), "--t-min", str(gen["t_min"]), "--entropy-bound", str(gen["entropy_bound"]),
+            "--confidence-threshold", str(gen["confidence_threshold"]),
+            "--stability-threshold", str(gen["stability_threshold"]), *extra]
+
+
 def test_cli_prints_the_golden_sequence(gguf_path) -> None:
     """The fixed CLI interface, end to end, on a robust run (EOS ids as in that run's generation config are the
     GGUF default {1, 106, 50} here: none of them occurs in this output)."""
     meta, gen, rec = golden("tiny-a", "g2_seed7")
-    cmd = [sys.executable, "-m", "dgemma_cli.main", "debug", "generate", str(gguf_path("tiny-a", "f32")),
-           "--prompt-ids", ",".join(map(str, rec["prompt"].tolist())), "--seed", str(meta["seed"]), "--rng", "torch",
-           "--max-new-tokens", str(gen["max_new_tokens"]), "--steps", str(gen["max_denoising_steps"]),
-           "--t-max", str(gen["t_max"]), "--t-min", str(gen["t_min"]), "--entropy-bound", str(gen["entropy_bound"]),
-           "--confidence-threshold", str(gen["confidence_threshold"]),
-           "--stability-threshold", str(gen["stability_threshold"]), "--threads", str(THREADS)]
+    cmd = debug_generate_cmd(gguf_path("tiny-a", "f32"), meta, gen, rec, "--threads", str(THREADS))
     assert not {1, 106, 50} & set(rec["seq"][len(rec["prompt"]):].tolist())
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
