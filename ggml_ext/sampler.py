@@ -61,6 +61,8 @@ def _native() -> ctypes.CDLL:
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_StepInfo),
         ]
+        lib.dg_sampler_reopen.restype = ctypes.c_int32
+        lib.dg_sampler_reopen.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         lib.dg_sampler_temperature.restype = ctypes.c_float
         lib.dg_sampler_temperature.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_double, ctypes.c_double]
         lib._dgemma_typed = True
@@ -161,6 +163,20 @@ class Sampler:
             accepted=self._accepted.astype(bool), step=info.step, temperature=float(info.temperature),
             mean_entropy=float(info.mean_entropy), n_accepted=info.n_accepted, stable=bool(info.stable),
             confident=bool(info.confident), stop=bool(info.stop), exhausted=bool(info.exhausted))
+
+    def reopen(self, canvas: np.ndarray, reset: np.ndarray) -> np.ndarray | None:
+        """Continue a finished canvas (self-correction): `canvas` with the `reset` positions (bool [C]) redrawn as
+        fresh noise; the step counter and temperature schedule go on and the stop needs S new stable steps. None when
+        the canvas has no steps left."""
+        self._check_open()
+        tokens = np.ascontiguousarray(canvas, dtype=np.int32).copy()
+        mask = np.ascontiguousarray(reset, dtype=np.uint8)
+        if tokens.shape != (self.canvas_length,) or mask.shape != (self.canvas_length,):
+            raise EngineError(f"reopen needs a canvas and a reset mask of length {self.canvas_length}")
+        left = self._lib.dg_sampler_reopen(self._handle, tokens.ctypes.data, mask.ctypes.data)
+        if left < 0:
+            raise EngineError("reopen without a canvas (call begin_canvas first)")
+        return tokens if left > 0 else None
 
     def _check_open(self) -> None:
         if not self._handle:

@@ -53,18 +53,21 @@ def generation_config(max_steps: int = 48, t_min: float = 0.4, t_max: float = 0.
         stability_threshold=stability_threshold, confidence_threshold=confidence_threshold, pad_token_id=vocab.PAD)
 
 
-def make_batch(rng: random.Random, pool: list[list[int]], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(rng: random.Random, pool: list[list[int]], size: int,
+               clues: tuple[int, int] = (22, 50)) -> tuple[torch.Tensor, torch.Tensor]:
     prompts, answers = [], []
     for _ in range(size):
         solution = puzzles.random_symmetry(rng.choice(pool), rng)
-        keep = set(rng.sample(range(81), rng.randint(22, 50)))
+        keep = set(rng.sample(range(81), rng.randint(*clues)))
         puzzle = puzzles.to_text([d if i in keep else 0 for i, d in enumerate(solution)])
         prompts.append(vocab.prompt_ids(puzzle))
         answers.append(vocab.answer_ids(puzzles.to_text(solution)))
     return torch.tensor(prompts), torch.tensor(answers)
 
 
-def training_step(model, prompts, answers, gen: torch.Generator) -> torch.Tensor:
+def training_step(model, prompts, answers, gen: torch.Generator, clean_weight: float = 1.0) -> torch.Tensor:
+    """The loss of one batch. `clean_weight` < 1 lowers the weight of positions the corruption left intact (copying
+    them is learned early), so the gradient goes to the cells the model must infer."""
     batch, n = answers.shape
     vocab_size = model.config.text_config.vocab_size
     t = torch.rand(batch, 1, generator=gen)
@@ -79,7 +82,9 @@ def training_step(model, prompts, answers, gen: torch.Generator) -> torch.Tensor
         sc_logits[use_sc] = first / temperature[use_sc]
     out = model(input_ids=prompts, decoder_input_ids=noisy, self_conditioning_logits=sc_logits,
                 self_conditioning_mask=use_sc)
-    return torch.nn.functional.cross_entropy(out.logits.reshape(-1, vocab_size), answers.reshape(-1))
+    losses = torch.nn.functional.cross_entropy(out.logits.reshape(-1, vocab_size), answers.reshape(-1), reduction="none")
+    weights = torch.where(corrupt, 1.0, clean_weight).reshape(-1)
+    return (losses * weights).sum() / weights.sum()
 
 
 @torch.no_grad()
@@ -111,6 +116,11 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--max-minutes", type=float, default=120.0, help="stop early (and save) past this wall time")
     ap.add_argument("--stop-at", type=int, help="save and stop at this step (the schedule still spans --steps)")
+    ap.add_argument("--clues", type=int, nargs=2, default=(22, 50), metavar=("MIN", "MAX"),
+                    help="clues per training puzzle, uniform in [MIN, MAX]")
+    ap.add_argument("--clean-weight", type=float, default=1.0, help="loss weight of uncorrupted positions")
+    ap.add_argument("--pool", type=int, default=500, help="solved grids the training puzzles are drawn from "
+                    "(each seen under a random symmetry)")
     ap.add_argument("--init-from", type=Path, help="continue from a saved --out folder (weights and training log; "
                     "fresh optimizer with a short warmup, cosine from --lr over --steps more steps)")
     args = ap.parse_args()
@@ -134,7 +144,7 @@ def main() -> None:
         model = DiffusionGemmaForBlockDiffusion._from_config(build_config(), attn_implementation="eager")
     model.set_experts_implementation("eager")  # the grouped expert path is ~4x slower on CPU
     model.train()
-    pool = [puzzles.random_solution(rng) for _ in range(500)]
+    pool = [puzzles.random_solution(rng) for _ in range(args.pool)]
     eval_cases = puzzles.puzzle_set("medium", 50, seed=10_000)  # disjoint from bench seeds
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, min(200 if not args.init_from else 20, args.steps // 10))
@@ -143,8 +153,8 @@ def main() -> None:
     start = time.time() - 60 * (saved["minutes"] if args.init_from else 0)  # minutes continue too
     last_step = first_step + args.steps - 1
     for step in range(first_step, last_step + 1):
-        prompts, answers = make_batch(rng, pool, args.batch)
-        loss = training_step(model, prompts, answers, gen)
+        prompts, answers = make_batch(rng, pool, args.batch, tuple(args.clues))
+        loss = training_step(model, prompts, answers, gen, args.clean_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

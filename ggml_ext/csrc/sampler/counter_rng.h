@@ -11,6 +11,7 @@ enum {
     DG_STREAM_INIT = 1,      // canvas initialisation tokens
     DG_STREAM_RENOISE = 2,   // fresh noise tokens after each step
     DG_STREAM_CATEGORY = 3,  // the uniform driving each row's categorical draw
+    DG_STREAM_REPAIR = 4,    // noise for positions a task checker sends back (dg_sampler_reopen)
 };
 
 static inline uint64_t dg_mix64(uint64_t z) {

@@ -383,6 +383,29 @@ static int update_stability(dg_sampler *s) {
     return stable;
 }
 
+int32_t dg_sampler_reopen(dg_sampler *s, int32_t *canvas, const uint8_t *reset) {
+    if (s == NULL || canvas == NULL || reset == NULL || s->canvas_index == 0) {
+        return -1;
+    }
+    const int32_t left = s->p.max_steps - s->steps_done;
+    if (left <= 0) {
+        return 0;
+    }
+    for (int32_t i = 0; i < s->C; i++) {
+        if (!reset[i]) continue;
+        if (s->rng_mode == DG_RNG_TORCH) {
+            canvas[i] = (int32_t)(dg_mt_next(&s->mt) % (uint32_t)s->V);
+        } else {
+            canvas[i] = (int32_t)dg_counter_below((uint32_t)s->V, s->seed, (uint64_t)DG_STREAM_REPAIR,
+                                                  (uint64_t)s->canvas_index, (uint64_t)s->steps_done, (uint64_t)i);
+        }
+    }
+    s->history_fill = 0;
+    s->history_head = 0;
+    s->active = 1;
+    return left;
+}
+
 int32_t dg_sampler_step(dg_sampler *s, const float *raw_logits, int64_t row_stride, int32_t *canvas,
                         int32_t *argmax, int32_t *sampled, float *entropy, uint8_t *accepted, dg_step_info *info) {
     if (s == NULL || raw_logits == NULL || canvas == NULL || !s->active || s->steps_done >= s->p.max_steps ||

@@ -56,6 +56,12 @@ DG_API int32_t dg_sampler_step(dg_sampler *s, const float *raw_logits, int64_t r
                                int32_t *argmax, int32_t *sampled, float *entropy, uint8_t *accepted,
                                dg_step_info *info);
 
+// Reopen a finished canvas for more steps (self-correction): positions with reset[i] != 0 get fresh uniform tokens in
+// `canvas` (the rest keep the caller's tokens), the argmax history is cleared so the stop needs S new steps, and the
+// step counter and temperature schedule go on where they were. Returns the number of steps left, 0 when none are
+// (nothing is changed then), -1 on bad arguments.
+DG_API int32_t dg_sampler_reopen(dg_sampler *s, int32_t *canvas, const uint8_t *reset);
+
 // The linear schedule, exactly in fp32: T = f32(t_min) + f32(t_max - t_min) * (f32(n) / f32(N)).
 // (docs/model.md#sampler-loop, line 10)
 DG_API float dg_sampler_temperature(int32_t remaining, int32_t max_steps, double t_min, double t_max);
