@@ -96,7 +96,7 @@ def _denoise(ctx: Any, candidates: list[_Candidate], b: int, params: SamplerPara
         if cancel is not None and cancel.is_set():
             return None
         step_start = time.perf_counter()
-        batch = active[0].canvas if len(active) == 1 and len(candidates) == 1 else np.stack([c.canvas for c in active])
+        batch = active[0].canvas if len(active) == 1 else np.stack([c.canvas for c in active])
         logits = ctx.step(batch, sc_temperature=prev_temperature)
         if len(active) == 1:
             active[0].result = active[0].sampler.step(logits)

@@ -53,7 +53,13 @@ def run(model, n_canvases: int, seed: int, checker=None, self_correct: bool = Tr
     return steps, canvas, ctx
 
 
-def test_a_batched_step_computes_each_candidate_as_a_separate_step(model):
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])  # q8_0: self-conditioning through the soft-embedding op
+def test_a_batched_step_computes_each_candidate_as_a_separate_step(gguf_path, outtype):
+    with Model.load(gguf_path("tiny-a", outtype), threads=1) as model:
+        check_batched_step(model)
+
+
+def check_batched_step(model):
     C, V = model.hparams.canvas_length, model.hparams.n_vocab
     rng = np.random.default_rng(3)
     candidates = rng.integers(0, V, (3, C))
