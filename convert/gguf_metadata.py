@@ -11,7 +11,7 @@ from dgemma_convert.hf_config import ModelConfig, SamplerValues
 from dgemma_convert.tensor_map import TensorSpec
 from dgemma_convert.tokenizer_meta import TOKENIZER_MODEL, TokenizerMeta
 from dgemma_engine.arch import ARCH
-from dgemma_engine.settings import SAMPLER_SETTINGS, SamplerSetting
+from dgemma_engine.settings import FILE_SETTINGS, SamplerSetting
 
 # The order of the sampler keys in the files dgemma has always written (conversions stay byte-identical); a setting
 # not listed here follows them.
@@ -86,13 +86,13 @@ def build_metadata(cfg: ModelConfig, sampler: SamplerValues, tok: TokenizerMeta,
 
 
 def sampler_metadata(sampler: SamplerValues) -> list[KeyValue]:
-    """One `diffusion.eb_*` key per SAMPLER_SETTINGS row: uint32 for integers, float32 otherwise."""
+    """One `diffusion.eb_*` key per FILE_SETTINGS row: uint32 for integers, float32 otherwise."""
     def position(setting: SamplerSetting) -> int:
         known = setting.field in SAMPLER_KEY_ORDER
         return SAMPLER_KEY_ORDER.index(setting.field) if known else len(SAMPLER_KEY_ORDER)
 
     return [KeyValue(s.gguf_key, sampler[s.field], V.UINT32 if s.type is int else V.FLOAT32)
-            for s in sorted(SAMPLER_SETTINGS, key=position)]
+            for s in sorted(FILE_SETTINGS, key=position)]
 
 
 def tokenizer_metadata(tok: TokenizerMeta) -> list[KeyValue]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dgemma_convert.errors import ConvertError
-from dgemma_engine.settings import SAMPLER_SETTINGS, released_defaults
+from dgemma_engine.settings import FILE_SETTINGS, released_defaults
 
 MODEL_TYPE = "diffusion_gemma"
 TEXT_MODEL_TYPE = "diffusion_gemma_text"
@@ -309,7 +309,7 @@ def load_sampler_defaults(hf_dir: Path) -> SamplerValues:
 
 
 def parse_sampler_defaults(gen: dict[str, Any]) -> SamplerValues:
-    """Each SAMPLER_SETTINGS row read from its `hf_key`, checked as transformers checks the file."""
+    """Each FILE_SETTINGS row read from its `hf_key`, checked as transformers checks the file."""
     where = "generation_config.json"
     sampler = gen.get("sampler_config") or {}
     if not isinstance(sampler, dict):
@@ -319,7 +319,7 @@ def parse_sampler_defaults(gen: dict[str, Any]) -> SamplerValues:
         raise ConvertError(f"{where}: unsupported sampler {cls!r} (expected 'EntropyBoundSamplerConfig')")
     sections = {"": (gen, where), "sampler_config": (sampler, f"{where} sampler_config")}
     result: SamplerValues = {}
-    for setting in SAMPLER_SETTINGS:
+    for setting in FILE_SETTINGS:
         section, _, key = setting.hf_key.rpartition(".")
         obj, owner = sections[section]
         if setting.type is int:

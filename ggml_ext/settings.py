@@ -35,8 +35,8 @@ class Limits:
 class SamplerSetting:
     field: str              # SamplerParams attribute
     option: str             # request option = Modelfile PARAMETER = `/set parameter` name
-    gguf_key: str           # optional GGUF key the converter writes from generation_config.json
-    hf_key: str             # key in generation_config.json ("section.key" inside a nested object)
+    gguf_key: str | None    # GGUF key the converter writes from generation_config.json (None: a run-time setting)
+    hf_key: str | None      # key in generation_config.json ("section.key" inside a nested object), or None
     type: type              # int or float
     default: int | float    # transformers' default = the released generation_config.json value
     label: str              # row in `dgemma show`; settings sharing a label share one row, joined by " → "
@@ -72,10 +72,15 @@ SAMPLER_SETTINGS: tuple[SamplerSetting, ...] = (
                    "stability_threshold", int, 1, "stability threshold", "Unchanged steps needed to stop early",
                    Limits(1), Limits(0)),
     # candidates cost a canvas of cache scratch and logits each, and one decoder step holds them all
-    SamplerSetting("num_canvases", "num_canvases", "diffusion.num_canvases", "num_canvases", int, 1,
+    # a run-time choice of dgemma's, in no file format: requests, Modelfiles and `/set parameter` only
+    SamplerSetting("num_canvases", "num_canvases", None, None, int, 1,
                    "parallel canvases", "Candidate canvases denoised together; the best one is kept",
                    Limits(1, high=MAX_CANVASES)),
 )
+
+
+# The rows the file formats carry (generation_config.json -> GGUF `diffusion.eb_*`).
+FILE_SETTINGS: tuple[SamplerSetting, ...] = tuple(s for s in SAMPLER_SETTINGS if s.gguf_key is not None)
 
 
 def setting_for_option(option: str) -> SamplerSetting | None:
@@ -94,7 +99,7 @@ def defaults_from_metadata(metadata: Mapping[str, Any]) -> dict[str, int | float
     """Per field: the GGUF's `diffusion.eb_*` value when it holds a number, else the released default."""
     out: dict[str, int | float] = {}
     for s in SAMPLER_SETTINGS:
-        value = metadata.get(s.gguf_key)
+        value = metadata.get(s.gguf_key) if s.gguf_key is not None else None
         is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
         out[s.field] = s.type(value) if is_number else s.default
     return out
