@@ -22,7 +22,7 @@
 enum { MIN_ENCODE_CHUNK = 32 };
 
 static size_t graph_nodes(const dg_model *m) {
-    return 1024 + (size_t)m->hp.n_layer * (128 + 4 * (size_t)m->hp.n_expert_used);
+    return 1024 + (size_t)m->hp.n_layer * (128 + 4 * (size_t)m->hp.n_expert_used) + (size_t)m->lora_graph_nodes;
 }
 
 static struct ggml_context *new_graph_ctx(const dg_model *m) {
