@@ -122,6 +122,10 @@ static int output_fields(dg_model *m, struct ggml_tensor ***out) {
     out[n++] = &m->sc_up;
     out[n++] = &m->sc_down;
     out[n++] = &m->embd_t;
+    for (int t = DG_LORA_GATE; t <= DG_LORA_DOWN; t++) {
+        out[n++] = &m->sc_lora[t].a;
+        out[n++] = &m->sc_lora[t].b;
+    }
     return n;
 }
 

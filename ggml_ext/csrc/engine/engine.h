@@ -108,6 +108,7 @@ typedef struct dg_model {
     int n_threads;
     char warnings[1024];
     dg_placement place;
+    dg_lora sc_lora[DG_LORA_TARGETS];  // the self-conditioning MLP's deltas (decoder only): GATE, UP, DOWN
     struct ggml_context *ctx_lora;  // the adapters' folded factors (lora.c), on the CPU until placement copies them
     ggml_backend_buffer_t buf_lora;
     int n_adapters;
@@ -177,9 +178,9 @@ struct ggml_tensor *dg_build_layer(struct ggml_context *ctx, struct ggml_cgraph 
 struct ggml_tensor *dg_build_rmsw(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x,
                                   struct ggml_tensor *w);
 struct ggml_tensor *dg_build_softcap(struct ggml_context *ctx, struct ggml_tensor *x, float cap);
-// fast: the fused GELU custom op (CPU only); else the same arithmetic from standard ops (any backend)
-struct ggml_tensor *dg_build_gated_mlp(struct ggml_context *ctx, struct ggml_tensor *x, struct ggml_tensor *gate,
-                                       struct ggml_tensor *up, struct ggml_tensor *down, bool fast);
+// the self-conditioning MLP on x [H, n] with its adapters' deltas; on the CPU with the fused GELU custom op, else
+// the same arithmetic from standard ops (any backend)
+struct ggml_tensor *dg_build_self_cond_mlp(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x);
 
 // expert_matmul.c: ggml_mul_mat_id, with a register-tiled custom op for F32 weights on x86 (AVX2 / AVX-512)
 struct ggml_tensor *dg_build_expert_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,

@@ -66,28 +66,31 @@ struct ggml_tensor *dg_build_softcap(struct ggml_context *ctx, struct ggml_tenso
     return ggml_scale_bias(ctx, ggml_sigmoid(ctx, ggml_scale(ctx, x, 2.0f / cap)), 2.0f * cap, -cap);
 }
 
-struct ggml_tensor *dg_build_gated_mlp(struct ggml_context *ctx, struct ggml_tensor *x, struct ggml_tensor *gate,
-                                       struct ggml_tensor *up, struct ggml_tensor *down, bool fast) {
-    struct ggml_tensor *g = dg_build_weight_matmul(ctx, gate, x, fast);
-    struct ggml_tensor *u = dg_build_weight_matmul(ctx, up, x, fast);
-    return dg_build_weight_matmul(ctx, down, gelu_mul(ctx, g, u, fast), fast);
-}
-
-// w·x of a layer weight plus its adapters' delta in this pass (x: [n_in, T])
-static struct ggml_tensor *adapted_matmul(struct ggml_context *ctx, const dg_layer *L, int pass, int target,
-                                          struct ggml_tensor *w, struct ggml_tensor *x, bool fast) {
+// w·x plus an adapters' delta b·(a·x) (x: [n_in, T]); d NULL or empty: w·x alone
+static struct ggml_tensor *lora_matmul(struct ggml_context *ctx, const dg_lora *d, struct ggml_tensor *w,
+                                       struct ggml_tensor *x, bool fast) {
     struct ggml_tensor *y = dg_build_weight_matmul(ctx, w, x, fast);
-    const dg_lora *d = &L->lora[pass][target];
     if (!d->a) return y;
     return ggml_add(ctx, y, ggml_mul_mat(ctx, d->b, ggml_mul_mat(ctx, d->a, x)));
 }
 
-// The layer's dense MLP with its adapters (dg_build_gated_mlp otherwise)
-static struct ggml_tensor *adapted_mlp(struct ggml_context *ctx, const dg_layer *L, int pass, struct ggml_tensor *x,
-                                       bool fast) {
-    struct ggml_tensor *g = adapted_matmul(ctx, L, pass, DG_LORA_GATE, L->ffn_gate, x, fast);
-    struct ggml_tensor *u = adapted_matmul(ctx, L, pass, DG_LORA_UP, L->ffn_up, x, fast);
-    return adapted_matmul(ctx, L, pass, DG_LORA_DOWN, L->ffn_down, gelu_mul(ctx, g, u, fast), fast);
+// a layer weight's matmul with its adapters' delta in this pass
+static struct ggml_tensor *adapted_matmul(struct ggml_context *ctx, const dg_layer *L, int pass, int target,
+                                          struct ggml_tensor *w, struct ggml_tensor *x, bool fast) {
+    return lora_matmul(ctx, &L->lora[pass][target], w, x, fast);
+}
+
+// gated MLP whose three matmuls carry the deltas deltas[DG_LORA_GATE / UP / DOWN]
+static struct ggml_tensor *lora_gated_mlp(struct ggml_context *ctx, const dg_lora *deltas, struct ggml_tensor *x,
+                                          struct ggml_tensor *gate, struct ggml_tensor *up, struct ggml_tensor *down,
+                                          bool fast) {
+    struct ggml_tensor *g = lora_matmul(ctx, &deltas[DG_LORA_GATE], gate, x, fast);
+    struct ggml_tensor *u = lora_matmul(ctx, &deltas[DG_LORA_UP], up, x, fast);
+    return lora_matmul(ctx, &deltas[DG_LORA_DOWN], down, gelu_mul(ctx, g, u, fast), fast);
+}
+
+struct ggml_tensor *dg_build_self_cond_mlp(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x) {
+    return lora_gated_mlp(ctx, m->sc_lora, x, m->sc_gate, m->sc_up, m->sc_down, dg_unit_fast(m, m->hp.n_layer));
 }
 
 // Experts on the CPU take the fast kernels (expert_matmul.c); anywhere else ggml's own mul_mat_id, which every
@@ -206,7 +209,8 @@ struct ggml_tensor *dg_build_layer(struct ggml_context *ctx, struct ggml_cgraph 
     struct ggml_tensor *a = ggml_add(ctx, x, dg_build_rmsw(ctx, m, o, L->post_attn_norm));
 
     struct ggml_tensor *u = dg_build_rmsw(ctx, m, a, L->ffn_norm);
-    struct ggml_tensor *mlp = adapted_mlp(ctx, L, pass, u, dg_unit_fast(m, il));
+    struct ggml_tensor *mlp = lora_gated_mlp(ctx, L->lora[pass], u, L->ffn_gate, L->ffn_up, L->ffn_down,
+                                             dg_unit_fast(m, il));
     struct ggml_tensor *h1 = dg_build_rmsw(ctx, m, mlp, L->post_ffw_norm_1);
     struct ggml_tensor *h2 = dg_build_rmsw(ctx, m, build_moe(ctx, m, il, pass, a), L->post_ffw_norm_2);
     struct ggml_tensor *y = ggml_add(ctx, a, dg_build_rmsw(ctx, m, ggml_add(ctx, h1, h2), L->post_ffw_norm));

@@ -2,7 +2,8 @@
 //
 // A file holds `[enc.|dec.]blk.N.<target>.weight.lora_a` (ne [n_in, r(, E)]) and `….lora_b` (ne [r, n_out(, E)]);
 // delta(W)·x = B·(A·x)·alpha/r·scale. `enc.` applies in the encoder pass only (prefill, commit), `dec.` in the
-// decoder pass only (denoising steps), no prefix in both. Every file is checked completely (header bytes, metadata,
+// decoder pass only (denoising steps), no prefix in both; `[dec.]self_cond_{gate,up,down}.weight.lora_*` adapt the
+// self-conditioning MLP (decoder only). Every file is checked completely (header bytes, metadata,
 // each tensor's name, type and shape against the base) before anything is allocated; then, per layer, pass and
 // target, all adapters are folded into one F32 pair: ranks concatenated, each adapter's alpha/r·scale multiplied into
 // its B. The graph adds b·(a·x) to the base matmul (graph.c), whatever the base weight's type: quantized bases are
@@ -29,6 +30,10 @@ static const char *const TARGET_NAMES[DG_LORA_TARGETS] = {
     "ffn_up_exps.weight", "ffn_down_exps.weight",
 };
 static const char *const SCOPE_PREFIX[SCOPES] = {"", "enc.", "dec."};
+static const char *const SELF_COND_NAMES[DG_LORA_TARGETS] = {
+    [DG_LORA_GATE] = "self_cond_gate.weight", [DG_LORA_UP] = "self_cond_up.weight", [DG_LORA_DOWN] = "self_cond_down.weight",
+};
+// Units: layers 0..n_layer-1, then unit n_layer = the self-conditioning MLP (targets GATE, UP, DOWN).
 
 typedef struct lora_pair {
     const struct ggml_tensor *a, *b;  // metadata in the file's context (no data)
@@ -41,7 +46,7 @@ typedef struct lora_file {
     struct gguf_context *gguf;
     struct ggml_context *ctx;
     float alpha, scale;
-    lora_pair *pairs;  // [layer][target][scope]
+    lora_pair *pairs;  // [unit][target][scope]
 } lora_file;
 
 // Where part of an adapter's delta goes: rows [src_row, src_row + rows) of its B become rows [dst_row, …) of the
@@ -51,13 +56,17 @@ typedef struct lora_piece {
     int64_t src_row, rows, dst_row;
 } lora_piece;
 
-static lora_pair *pair_at(const lora_file *f, int n_layer, int il, int target, int scope) {
-    (void)n_layer;
-    return &f->pairs[((size_t)il * DG_LORA_TARGETS + (size_t)target) * SCOPES + (size_t)scope];
+static lora_pair *pair_at(const lora_file *f, int unit, int target, int scope) {
+    return &f->pairs[((size_t)unit * DG_LORA_TARGETS + (size_t)target) * SCOPES + (size_t)scope];
 }
 
-// The base weight a folded delta of `slot` is added to (NULL where the layer has no such weight).
-static struct ggml_tensor *base_of(const dg_layer *L, int slot) {
+// The base weight a folded delta of `slot` is added to (NULL where the unit has no such weight).
+static struct ggml_tensor *base_of(const dg_model *m, int unit, int slot) {
+    if (unit == m->hp.n_layer) {
+        return slot == DG_LORA_GATE ? m->sc_gate : slot == DG_LORA_UP ? m->sc_up : slot == DG_LORA_DOWN ? m->sc_down
+                                                                                                        : NULL;
+    }
+    const dg_layer *L = &m->layers[unit];
     switch (slot) {
         case DG_LORA_Q: return L->wq;
         case DG_LORA_K: return L->wk;
@@ -76,9 +85,22 @@ static struct ggml_tensor *base_of(const dg_layer *L, int slot) {
 }
 
 
-// Pieces of an adapter target on this layer: 0 when the base has no weight for it.
-static int pieces_of(const dg_model *m, const dg_layer *L, int target, lora_piece out[2]) {
+// Where the folded delta of (unit, pass, slot) lives: NULL for the self-conditioning MLP in the encoder pass
+static dg_lora *dest_of(dg_model *m, int unit, int pass, int slot) {
+    if (unit == m->hp.n_layer) return pass == DG_PASS_DECODER ? &m->sc_lora[slot] : NULL;
+    return &m->layers[unit].lora[pass][slot];
+}
+
+// Pieces of an adapter target on this unit: 0 when the base has no weight for it.
+static int pieces_of(const dg_model *m, int unit, int target, lora_piece out[2]) {
     const int64_t F = m->hp.n_ff_exp;
+    const dg_layer *L = unit < m->hp.n_layer ? &m->layers[unit] : NULL;
+    if (!L) {
+        const struct ggml_tensor *w = base_of(m, unit, target);
+        if (!w) return 0;
+        out[0] = (lora_piece){target, 0, w->ne[1], 0};
+        return 1;
+    }
     if (target == DG_LORA_GATE_UP_EXPS && !L->gate_up_exps) {
         out[0] = (lora_piece){DG_LORA_GATE_EXPS, 0, F, 0};
         out[1] = (lora_piece){DG_LORA_UP_EXPS, F, F, 0};
@@ -88,7 +110,7 @@ static int pieces_of(const dg_model *m, const dg_layer *L, int target, lora_piec
         out[0] = (lora_piece){DG_LORA_GATE_UP_EXPS, 0, F, target == DG_LORA_GATE_EXPS ? 0 : F};
         return 1;
     }
-    const struct ggml_tensor *w = base_of(L, target);
+    const struct ggml_tensor *w = base_of(m, unit, target);
     if (!w) return 0;
     out[0] = (lora_piece){target, 0, w->ne[1], 0};
     return 1;
@@ -174,7 +196,22 @@ static bool read_metadata(lora_file *f, char *err, size_t err_len) {
     return true;
 }
 
-// "[enc.|dec.]blk.N.<target>.lora_{a,b}" -> layer, target, scope, which factor
+static bool strip_factor_suffix(const char *name, size_t *len, bool *is_b) {
+    const size_t n = strlen(name), slen = strlen(".lora_a");
+    if (n <= slen || (strcmp(name + n - slen, ".lora_a") != 0 && strcmp(name + n - slen, ".lora_b") != 0)) return false;
+    *is_b = name[n - 1] == 'b';
+    *len = n - slen;
+    return true;
+}
+
+static int target_named(const char *const *names, const char *name, size_t len) {
+    for (int t = 0; t < DG_LORA_TARGETS; t++) {
+        if (names[t] && strlen(names[t]) == len && strncmp(name, names[t], len) == 0) return t;
+    }
+    return -1;
+}
+
+// "[enc.|dec.]blk.N.<target>.lora_{a,b}" or "[enc.|dec.]self_cond_*.weight.lora_{a,b}" -> unit, target, scope, factor
 static bool parse_name(const char *name, int n_layer, int *il, int *target, int *scope, bool *is_b) {
     *scope = 0;
     for (int s = 1; s < SCOPES; s++) {
@@ -184,29 +221,24 @@ static bool parse_name(const char *name, int n_layer, int *il, int *target, int 
             name += n;
         }
     }
+    size_t len;
+    if (strncmp(name, "self_cond_", 10) == 0) {
+        *il = n_layer;
+        return strip_factor_suffix(name, &len, is_b) && (*target = target_named(SELF_COND_NAMES, name, len)) >= 0;
+    }
     if (strncmp(name, "blk.", 4) != 0) return false;
     name += 4;
     int layer = 0, digits = 0;
     while (*name >= '0' && *name <= '9' && digits < 4) layer = layer * 10 + (*name++ - '0'), digits++;
     if (digits == 0 || *name != '.' || layer >= n_layer) return false;
     name++;
-    const size_t len = strlen(name), slen = strlen(".lora_a");
-    if (len <= slen || (strcmp(name + len - slen, ".lora_a") != 0 && strcmp(name + len - slen, ".lora_b") != 0))
-        return false;
-    *is_b = name[len - 1] == 'b';
-    for (int t = 0; t < DG_LORA_TARGETS; t++) {
-        if (strlen(TARGET_NAMES[t]) == len - slen && strncmp(name, TARGET_NAMES[t], len - slen) == 0) {
-            *il = layer;
-            *target = t;
-            return true;
-        }
-    }
-    return false;
+    *il = layer;
+    return strip_factor_suffix(name, &len, is_b) && (*target = target_named(TARGET_NAMES, name, len)) >= 0;
 }
 
 static bool collect_tensors(const dg_model *m, lora_file *f, char *err, size_t err_len) {
     const int n_layer = m->hp.n_layer;
-    f->pairs = calloc((size_t)n_layer * DG_LORA_TARGETS * SCOPES, sizeof(lora_pair));
+    f->pairs = calloc((size_t)(n_layer + 1) * DG_LORA_TARGETS * SCOPES, sizeof(lora_pair));
     if (!f->pairs) {
         dg_set_err(err, err_len, "out of memory");
         return false;
@@ -235,7 +267,7 @@ static bool collect_tensors(const dg_model *m, lora_file *f, char *err, size_t e
                        ggml_type_name(t->type));
             return false;
         }
-        lora_pair *p = pair_at(f, n_layer, il, target, scope);
+        lora_pair *p = pair_at(f, il, target, scope);
         if (is_b) {
             p->b = t;
             p->b_data = data + gguf_get_tensor_offset(f->gguf, i);
@@ -253,26 +285,30 @@ static bool shape_is(const struct ggml_tensor *t, int64_t ne0, int64_t ne1, int6
 
 // Each pair complete, its rank consistent and its shape that of the base weight it adapts.
 static bool check_pairs(const dg_model *m, const lora_file *f, char *err, size_t err_len) {
-    for (int il = 0; il < m->hp.n_layer; il++) {
-        const dg_layer *L = &m->layers[il];
+    for (int il = 0; il <= m->hp.n_layer; il++) {
         for (int target = 0; target < DG_LORA_TARGETS; target++) {
             for (int scope = 0; scope < SCOPES; scope++) {
-                const lora_pair *p = pair_at(f, m->hp.n_layer, il, target, scope);
+                const lora_pair *p = pair_at(f, il, target, scope);
                 if (!p->a && !p->b) continue;
                 char name[96];
-                snprintf(name, sizeof(name), "%sblk.%d.%s", SCOPE_PREFIX[scope], il, TARGET_NAMES[target]);
+                if (il == m->hp.n_layer) snprintf(name, sizeof(name), "%s%s", SCOPE_PREFIX[scope], SELF_COND_NAMES[target]);
+                else snprintf(name, sizeof(name), "%sblk.%d.%s", SCOPE_PREFIX[scope], il, TARGET_NAMES[target]);
                 if (!p->a || !p->b) {
                     dg_set_err(err, err_len, "adapter tensor '%s.%s' is missing (LoRA factors come in pairs)", name,
                                p->a ? "lora_b" : "lora_a");
                     return false;
                 }
                 lora_piece pieces[2];
-                const int np = pieces_of(m, L, target, pieces);
+                const int np = pieces_of(m, il, target, pieces);
                 if (np == 0) {
                     dg_set_err(err, err_len, "the adapter targets '%s', which this model does not have", name);
                     return false;
                 }
-                const struct ggml_tensor *w = base_of(L, pieces[0].slot);
+                if (il == m->hp.n_layer && scope == 1) {
+                    dg_set_err(err, err_len, "the adapter targets '%s', but the encoder has no self-conditioning", name);
+                    return false;
+                }
+                const struct ggml_tensor *w = base_of(m, il, pieces[0].slot);
                 const int64_t n_in = w->ne[0], n_exp = w->ne[2];
                 const int64_t n_out = pieces[np - 1].src_row + pieces[np - 1].rows;
                 const int64_t r = p->a->ne[1];
@@ -320,14 +356,14 @@ static bool scope_applies(int scope, int pass) { return scope == 0 || scope == 1
 // Total rank of the folded delta of (il, pass, slot) over all files; with fill, also write the factors.
 static int64_t fold(dg_model *m, const lora_file *files, int n_files, int il, int pass, int slot, const dg_lora *dst,
                     float *tmp) {
-    const dg_layer *L = &m->layers[il];
+    if (!dest_of(m, il, pass, slot)) return 0;
     int64_t r0 = 0;
     for (int fi = 0; fi < n_files; fi++) {
         for (int target = 0; target < DG_LORA_TARGETS; target++) {
             lora_piece pieces[2];
-            const int np = pieces_of(m, L, target, pieces);
+            const int np = pieces_of(m, il, target, pieces);
             for (int scope = 0; scope < SCOPES; scope++) {
-                const lora_pair *p = pair_at(&files[fi], m->hp.n_layer, il, target, scope);
+                const lora_pair *p = pair_at(&files[fi], il, target, scope);
                 if (!p->a || !scope_applies(scope, pass)) continue;
                 const int64_t r = p->a->ne[1];
                 for (int k = 0; k < np; k++) {
@@ -369,7 +405,7 @@ static bool fold_all(dg_model *m, const lora_file *files, int n_files, char *err
     const int L = m->hp.n_layer;
     size_t n_pairs = 0;
     int64_t max_rank = 1;
-    for (int il = 0; il < L; il++) {
+    for (int il = 0; il <= L; il++) {
         for (int pass = 0; pass < DG_PASSES; pass++) {
             for (int slot = 0; slot < DG_LORA_TARGETS; slot++) {
                 const int64_t R = fold(m, files, n_files, il, pass, slot, NULL, NULL);
@@ -386,13 +422,13 @@ static bool fold_all(dg_model *m, const lora_file *files, int n_files, char *err
         dg_set_err(err, err_len, "out of memory");
         return false;
     }
-    for (int il = 0; il < L; il++) {
+    for (int il = 0; il <= L; il++) {
         for (int pass = 0; pass < DG_PASSES; pass++) {
             for (int slot = 0; slot < DG_LORA_TARGETS; slot++) {
                 const int64_t R = fold(m, files, n_files, il, pass, slot, NULL, NULL);
                 if (R == 0) continue;
-                const struct ggml_tensor *w = base_of(&m->layers[il], slot);
-                dg_lora *d = &m->layers[il].lora[pass][slot];
+                const struct ggml_tensor *w = base_of(m, il, slot);
+                dg_lora *d = dest_of(m, il, pass, slot);
                 d->a = ggml_new_tensor_3d(m->ctx_lora, GGML_TYPE_F32, w->ne[0], R, w->ne[2]);
                 d->b = ggml_new_tensor_3d(m->ctx_lora, GGML_TYPE_F32, R, w->ne[1], w->ne[2]);
                 ggml_format_name(d->a, "lora.%s.%d.%s.a", pass ? "dec" : "enc", il, SLOT_SHORT[slot]);
@@ -409,11 +445,11 @@ static bool fold_all(dg_model *m, const lora_file *files, int n_files, char *err
         }
         ggml_backend_buffer_clear(m->buf_lora, 0);  // B blocks no piece writes stay zero
     }
-    for (int il = 0; il < L; il++) {
+    for (int il = 0; il <= L; il++) {
         for (int pass = 0; pass < DG_PASSES; pass++) {
             for (int slot = 0; slot < DG_LORA_TARGETS; slot++) {
-                const dg_lora *d = &m->layers[il].lora[pass][slot];
-                if (d->a) fold(m, files, n_files, il, pass, slot, d, tmp);
+                const dg_lora *d = dest_of(m, il, pass, slot);
+                if (d && d->a) fold(m, files, n_files, il, pass, slot, d, tmp);
             }
         }
     }
@@ -428,6 +464,7 @@ void dg_lora_free(dg_model *m) {
     m->buf_lora = NULL;
     m->ctx_lora = NULL;
     for (int il = 0; m->layers && il < m->hp.n_layer; il++) memset(m->layers[il].lora, 0, sizeof(m->layers[il].lora));
+    memset(m->sc_lora, 0, sizeof(m->sc_lora));
     m->lora_graph_nodes = 0;
     m->n_adapters = 0;
 }
