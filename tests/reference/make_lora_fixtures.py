@@ -13,10 +13,11 @@ Files per adapter folder: `adapter_config.json`, `adapter_model.safetensors` (as
 `golden.npz`:
   prompt int32 [21]               the long prompt of tiny-a's goldens
   canvas int32 [2, 16]            decoder input of the first step (no SC) and of the self-conditioned step
-  T float32 []                    temperature of the SC input: step 2 is self-conditioned on raw[0] / T
+  T float32 [1]                   temperature of the SC input: step 2 is self-conditioned on raw[0] / T
   raw float32 [2, 16, V]          softcapped decoder logits of the two steps (prompt encoded once before)
 `base.npz` (next to the folders): `raw` of the same two steps without an adapter (how far the adapters move them).
-  seq int32 [n]                   generate(...).sequences[0], G1 sampler settings, max_new_tokens 32, seed 0
+  seq int32 [n]                   generate(...).sequences[0], G1 sampler settings, max_new_tokens 32, eos
+                                  [1, 106, 50], seed 0
   steps_per_canvas int32 [k]
 """
 from __future__ import annotations
@@ -40,7 +41,8 @@ from transformers.cache_utils import DynamicCache  # noqa: E402
 
 OUT = FIXTURES / "lora"
 DELTA_GAIN = 0.25
-GEN = GenSpec("G1_lora", max_new_tokens=32)
+# eos as the GGUF's stop ids, so `dgemma debug generate` (which stops on those) replays the run as recorded
+GEN = GenSpec("G1_lora", max_new_tokens=32, eos_token_id=(1, 106, 50))
 GEN_SEED = 0
 SC_T = 0.8
 PASS_PATTERN = r".*(?:encoder\.language_model|decoder)\.layers\.\d+\."
