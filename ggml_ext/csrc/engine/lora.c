@@ -169,7 +169,9 @@ static bool key_string_is(const lora_file *f, const char *key, const char *want,
     }
     const char *v = gguf_get_val_str(f->gguf, id);
     if (strcmp(v, want) != 0) {
-        dg_set_err(err, err_len, "not a LoRA adapter for this model: %s is '%.64s', expected '%s'", key, v, want);
+        const bool arch = strcmp(key, "general.architecture") == 0;
+        dg_set_err(err, err_len, "%s: %s is '%.64s', expected '%s'",
+                   arch ? "the adapter was made for another architecture" : "not a LoRA adapter", key, v, want);
         return false;
     }
     return true;
@@ -290,9 +292,15 @@ static bool check_pairs(const dg_model *m, const lora_file *f, char *err, size_t
             for (int scope = 0; scope < SCOPES; scope++) {
                 const lora_pair *p = pair_at(f, il, target, scope);
                 if (!p->a && !p->b) continue;
+                const lora_pair *both = pair_at(f, il, target, 0);
                 char name[96];
                 if (il == m->hp.n_layer) snprintf(name, sizeof(name), "%s%s", SCOPE_PREFIX[scope], SELF_COND_NAMES[target]);
                 else snprintf(name, sizeof(name), "%sblk.%d.%s", SCOPE_PREFIX[scope], il, TARGET_NAMES[target]);
+                if (scope != 0 && (both->a || both->b)) {
+                    dg_set_err(err, err_len, "the adapter has both an unprefixed and a '%s' pair for one weight: use one "
+                               "form per weight", SCOPE_PREFIX[scope]);
+                    return false;
+                }
                 if (!p->a || !p->b) {
                     dg_set_err(err, err_len, "adapter tensor '%s.%s' is missing (LoRA factors come in pairs)", name,
                                p->a ? "lora_b" : "lora_a");
