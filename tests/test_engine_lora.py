@@ -210,7 +210,7 @@ MALFORMED = {
                                "blk.1.attn_v.weight', which this model does not have"),
     "both pass forms of one weight": (dict(tensors=lambda ts: ts + [replace(t, name=t.name[len("dec."):])
                                                                     for t in ts if t.name.startswith(Q)]),
-                                      "both an unprefixed and a 'dec.' pair for one weight"),
+                                      "has both blk.0.attn_q.weight.* and enc.blk.0.attn_q.weight.*"),
     "encoder self-conditioning": (dict(tensors=lambda ts: [
         replace(t, name=t.name.replace("dec.blk.0.ffn_gate.weight", "enc.self_cond_gate.weight")) for t in ts]),
         "the encoder has no self-conditioning"),

@@ -297,8 +297,8 @@ static bool check_pairs(const dg_model *m, const lora_file *f, char *err, size_t
                 if (il == m->hp.n_layer) snprintf(name, sizeof(name), "%s%s", SCOPE_PREFIX[scope], SELF_COND_NAMES[target]);
                 else snprintf(name, sizeof(name), "%sblk.%d.%s", SCOPE_PREFIX[scope], il, TARGET_NAMES[target]);
                 if (scope != 0 && (both->a || both->b)) {
-                    dg_set_err(err, err_len, "the adapter has both an unprefixed and a '%s' pair for one weight: use one "
-                               "form per weight", SCOPE_PREFIX[scope]);
+                    dg_set_err(err, err_len, "the adapter has both %s.* and %s.*: use one form per weight",
+                               name + strlen(SCOPE_PREFIX[scope]), name);
                     return false;
                 }
                 if (!p->a || !p->b) {
