@@ -28,6 +28,7 @@ import gguf_mutator as gm
 from dgemma_engine.debug_generate import debug_generate
 from dgemma_engine.errors import EngineError
 from dgemma_engine.model import Context, Model
+from test_engine_devices import needs_rpc, rpc_endpoint  # noqa: F401 (rpc_endpoint is a fixture)
 
 LORA = Path(__file__).parent / "fixtures" / "lora"
 ADAPTERS = ("r4-all", "r8-attn-mlp")
@@ -132,6 +133,21 @@ def test_standard_op_graph_applies_adapters_too(gguf_path, lora_gguf, monkeypatc
     g = golden("r4-all")
     with Model.load(gguf_path("tiny-a", "f32"), threads=THREADS, adapters=[lora_gguf["r4-all"]]) as m:
         assert np.abs(two_steps(m, g) - g["raw"]).max() <= TOLERANCE
+
+
+@needs_rpc
+def test_adapters_follow_their_weights_onto_an_rpc_device(gguf_path, lora_gguf, rpc_endpoint):
+    """Layers 2-3 and the output on a loopback RPC device, layer 2's experts on the CPU: each folded delta is copied
+    with the weight it adapts; `--rng torch` stays token-exact."""
+    g = golden("r4-all")
+    cmd = [sys.executable, "-m", "dgemma_cli.main", "debug", "generate", str(gguf_path("tiny-a", "f32")),
+           "--prompt-ids", ",".join(map(str, g["prompt"].tolist())), "--seed", "0", "--rng", "torch",
+           "--max-new-tokens", "32", "--steps", "12", "--t-max", "0.8", "--t-min", "0.4", "--entropy-bound", "0.1",
+           "--confidence-threshold", "0.005", "--stability-threshold", "1", "--threads", "1", "--num-gpu", "3",
+           "--num-cpu-moe", "3", "--lora", str(lora_gguf["r4-all"])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "DGEMMA_RPC": rpc_endpoint})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["sequence"] == g["seq"].tolist()
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
