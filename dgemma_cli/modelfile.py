@@ -314,8 +314,10 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
-def format_modelfile(mf: Modelfile, header: str | None = None, from_override: str | None = None) -> str:
-    """Print in canonical order: FROM, TEMPLATE, SYSTEM, PARAMETERs (sorted), LICENSEs, MESSAGEs, then the rest."""
+def format_modelfile(mf: Modelfile, header: str | None = None, from_override: str | None = None,
+                     adapters: list[str] | None = None) -> str:
+    """Print in canonical order: FROM, TEMPLATE, SYSTEM, PARAMETERs (sorted), LICENSEs, MESSAGEs, then the rest.
+    `adapters`: one ADAPTER line each, in place of `mf.adapter` (a stored model's adapter layers)."""
     lines = [header.rstrip("\n") + "\n"] if header else []
     froms = [from_override] if from_override is not None else mf.froms
     lines += [f"FROM {quote(f)}" for f in froms]
@@ -328,8 +330,8 @@ def format_modelfile(mf: Modelfile, header: str | None = None, from_override: st
         lines += [f"PARAMETER {key} {quote(format_value(v))}" for v in values]
     lines += [f"LICENSE {quote(text)}" for text in mf.licenses]
     lines += [f"MESSAGE {m['role']} {quote(m['content'])}" for m in mf.messages]
-    if mf.adapter is not None:
-        lines.append(f"ADAPTER {quote(mf.adapter)}")
+    for adapter in adapters if adapters is not None else [a for a in (mf.adapter,) if a is not None]:
+        lines.append(f"ADAPTER {quote(adapter)}")
     if mf.requires is not None:
         lines.append(f"REQUIRES {mf.requires}")
     lines += [f"{k.upper()} {quote(v)}" for k, v in sorted(mf.extras.items())]

@@ -95,10 +95,9 @@ def create_request(client: Client, model: str, modelfile: Modelfile, base_dir: P
     A local GGUF (or a folder holding one) is uploaded as is and the server quantizes it if asked; a checkpoint
     folder is converted here, straight to the requested type, so the server only ever receives GGUF blobs."""
     # create.py owns the FROM rules (path vs name, folder scan, checkpoint detection); reuse them, do not fork them.
-    from dgemma_cli.create import CreateError, gguf_in_folder, is_hf_checkpoint, local_path, validated_gguf
+    from dgemma_cli.create import gguf_in_folder, is_hf_checkpoint, local_path, modelfile_adapters, validated_gguf
 
-    if modelfile.adapter is not None:
-        raise CreateError("adapters are not supported")  # the server's answer, without uploading the adapter
+    adapters = modelfile_adapters(modelfile, base_dir, None)  # a missing ADAPTER fails before any upload
     body: dict[str, Any] = {"model": model}
     source = modelfile.from_ or ""
     local = local_path(source, base_dir, None)
@@ -115,6 +114,8 @@ def create_request(client: Client, model: str, modelfile: Modelfile, base_dir: P
         body["files"] = {gguf.name: ensure_blob(client, gguf, progress)}
         if quantize:
             body["quantize"] = quantize
+    if adapters:
+        body["adapters"] = dict(_uploaded_adapter(client, source, progress) for source in adapters)
     for key, text in (("template", modelfile.template), ("system", modelfile.system), ("requires", modelfile.requires)):
         if text is not None:  # `SYSTEM ""` is a value too (it clears an inherited system message)
             body[key] = text
@@ -126,6 +127,21 @@ def create_request(client: Client, model: str, modelfile: Modelfile, base_dir: P
         if key in modelfile.extras:
             body[key] = modelfile.extras[key]
     return body
+
+
+def _uploaded_adapter(client: Client, source: Any, progress: Progress) -> tuple[str, str]:
+    """(file name, digest) of one ADAPTER on the server: a GGUF LoRA file is checked and uploaded as is, a PEFT folder
+    is converted here first (the server checks both against the base)."""
+    from dgemma_cli.create import check_adapter_folder, converted_adapter, validated_adapter
+
+    if not source.path.is_dir():
+        validated_adapter(source.path, source.label, None)  # spares uploading a file the server would refuse
+        return source.path.name, ensure_blob(client, source.path, progress)
+    check_adapter_folder(source)
+    with Store().scratch("create") as work:
+        progress({"status": "converting adapter"})
+        gguf = converted_adapter(source, work / f"{source.path.name}.gguf", None)
+        return gguf.name, ensure_blob(client, gguf, progress)
 
 
 @contextmanager
