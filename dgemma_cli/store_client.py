@@ -97,7 +97,9 @@ def create_request(client: Client, model: str, modelfile: Modelfile, base_dir: P
     # create.py owns the FROM rules (path vs name, folder scan, checkpoint detection); reuse them, do not fork them.
     from dgemma_cli.create import gguf_in_folder, is_hf_checkpoint, local_path, modelfile_adapters, validated_gguf
 
-    adapters = modelfile_adapters(modelfile, base_dir, None)  # a missing ADAPTER fails before any upload
+    adapters = modelfile_adapters(modelfile, base_dir, None)
+    for source in adapters:  # a bad adapter fails before anything is converted or uploaded
+        _precheck_adapter(source)
     body: dict[str, Any] = {"model": model}
     source = modelfile.from_ or ""
     local = local_path(source, base_dir, None)
@@ -129,19 +131,27 @@ def create_request(client: Client, model: str, modelfile: Modelfile, base_dir: P
     return body
 
 
+def _precheck_adapter(source: Any) -> None:
+    """What can be checked without the base (the server checks the rest): spares uploading what it would refuse."""
+    from dgemma_cli.create import check_adapter_plan, validated_adapter
+
+    if source.path.is_dir():
+        check_adapter_plan(source, None)
+    else:
+        validated_adapter(source.path, source.label, None)
+
+
 def _uploaded_adapter(client: Client, source: Any, progress: Progress) -> tuple[str, str]:
-    """(file name, digest) of one ADAPTER on the server: a GGUF LoRA file is checked and uploaded as is, a PEFT folder
-    is converted here first (the server checks both against the base)."""
-    from dgemma_cli.create import check_adapter_folder, converted_adapter, validated_adapter
+    """(file name, digest) of one ADAPTER on the server: a GGUF LoRA file is uploaded as is, a PEFT folder is
+    converted here first."""
+    from dgemma_cli.create import converted_adapter
 
     if not source.path.is_dir():
-        validated_adapter(source.path, source.label, None)  # spares uploading a file the server would refuse
         return source.path.name, ensure_blob(client, source.path, progress)
-    check_adapter_folder(source)
     with Store().scratch("create") as work:
         progress({"status": "converting adapter"})
         gguf = converted_adapter(source, work / f"{source.path.name}.gguf", None)
-        return gguf.name, ensure_blob(client, gguf, progress)
+        return source.path.name, ensure_blob(client, gguf, progress)  # the server's errors name the folder
 
 
 @contextmanager
