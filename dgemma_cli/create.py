@@ -241,13 +241,14 @@ def is_peft_folder(folder: Path) -> bool:
 
 
 def modelfile_adapters(mf: Modelfile, base_dir: Path, paths_within: Path | None) -> list[AdapterSource]:
-    """The Modelfile's ADAPTER as a source; a path that does not exist is an error (an adapter is never a name)."""
-    if mf.adapter is None:
-        return []
-    path = local_path(mf.adapter, base_dir, paths_within)
-    if path is None:
-        raise CreateError(f"adapter not found: {mf.adapter}")
-    return [AdapterSource(path, path.name)]
+    """The Modelfile's ADAPTERs as sources; a path that does not exist is an error (an adapter is never a name)."""
+    sources = []
+    for value in mf.adapters:
+        path = local_path(value, base_dir, paths_within)
+        if path is None:
+            raise CreateError(f"adapter not found: {value}")
+        sources.append(AdapterSource(path, path.name))
+    return sources
 
 
 def validated_adapter(path: Path, label: str, base: BaseShapes | None) -> GGUFInfo:

@@ -228,6 +228,36 @@ def test_create_with_adapter_through_the_cli(tmp_path, base, lora_gguf):
     assert [x.digest for x in manifest_layers(store, "again")] == [x.digest for x in layers]
 
 
+def test_stacked_adapters_apply_in_order_and_round_trip(tmp_path, base, lora_gguf):
+    env = cli_env(tmp_path)
+    (tmp_path / "Modelfile").write_text(f"FROM {base}\nADAPTER {PEFT_R8}\nADAPTER {lora_gguf}\n")
+    code, _, err = in_process(env, "create", "two", "-f", str(tmp_path / "Modelfile"))
+    assert code == 0, err
+    store = Store(tmp_path / "store")
+    adapters = [x.digest for x in manifest_layers(store, "two") if x.media_type == MEDIA_ADAPTER]
+    assert len(adapters) == 2 and adapters[1] == sha256_of(lora_gguf)  # in Modelfile order
+    code, text, _ = in_process(env, "show", "two", "--modelfile")
+    assert [line for line in text.splitlines() if line.startswith("ADAPTER")] == [
+        f"ADAPTER {store.blob_path(d)}" for d in adapters]
+    (tmp_path / "Modelfile.shown").write_text(text)
+    assert in_process(env, "create", "again", "-f", str(tmp_path / "Modelfile.shown"))[0] == 0
+    assert manifest_layers(store, "again") == manifest_layers(store, "two")
+
+
+def test_show_on_a_public_bind_prints_no_adapter_paths(tmp_path, base, lora_gguf):
+    from dgemma_cli.create import create_model
+    from dgemma_cli.modelfile import parse_modelfile
+    from dgemma_cli.names import ModelName
+    from dgemma_cli.server.services import ResolvedModel, Services
+
+    store = Store(tmp_path / "store")
+    list(create_model("m", parse_modelfile(f"FROM {base}\nADAPTER {lora_gguf}\n"), store, tmp_path))
+    config = ServerConfig.from_env({"DGEMMA_MODELS": str(store.root), "DGEMMA_HOST": "0.0.0.0:11434"})
+    show = Services(config, store, None, "0").show(ResolvedModel(ModelName.parse("m"), store.resolve("m")), False)
+    assert "ADAPTER" not in show.modelfile and str(store.root) not in show.modelfile
+    assert "FROM m:latest" in show.modelfile and len(show.adapters) == 1
+
+
 def test_copy_and_rm_keep_adapter_blobs_consistent(tmp_path, base, lora_gguf):
     env = cli_env(tmp_path)
     (tmp_path / "Modelfile").write_text(f"FROM {base}\nADAPTER {lora_gguf}\n")

@@ -168,10 +168,10 @@ class Services:
             licenses=list(local.license or []),
             messages=list(local.messages or []),
             parameters=dict(local.parameters or {}),
+            adapters=adapter_lines,
         )
         try:
-            modelfile_text = format_modelfile(modelfile, header=MODELFILE_HEADER.format(name=local.name),
-                                              adapters=adapter_lines)
+            modelfile_text = format_modelfile(modelfile, header=MODELFILE_HEADER.format(name=local.name))
         except DgemmaError:
             modelfile_text = MODELFILE_HEADER.format(name=local.name) + f"\nFROM {source}\n"
         tensors = None
