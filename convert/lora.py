@@ -339,6 +339,11 @@ class LoraPlan:
     pairs: list[PlannedPair]
     skipped: int  # vision-tower targets (the text model never runs them)
 
+    @property
+    def header(self) -> LoraHeader:
+        """The header the GGUF LoRA file will have."""
+        return LoraHeader(ARCH, self.settings.gguf_alpha, tuple(p.pair for p in self.pairs))
+
 
 def plan_lora(folder: Path) -> tuple[LoraPlan, SafetensorsFile]:
     folder = Path(folder)
@@ -475,7 +480,7 @@ def convert_lora(peft_dir: Path, outfile: Path, *, base: Path | None = None,
     (architecture, name -> ne) every target is checked against that base first."""
     plan, st = plan_lora(Path(peft_dir))
     try:
-        header = LoraHeader(ARCH, plan.settings.gguf_alpha, tuple(p.pair for p in plan.pairs))
+        header = plan.header
         if base is not None:
             base_tensors = read_base_tensors(Path(base))
         if base_tensors is not None:
