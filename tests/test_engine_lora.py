@@ -150,6 +150,40 @@ def test_adapters_follow_their_weights_onto_an_rpc_device(gguf_path, lora_gguf, 
     assert json.loads(proc.stdout.strip().splitlines()[-1])["sequence"] == g["seq"].tolist()
 
 
+def split_gate_up(tensors: list[gm.Tensor], fused: str, gate: str, up: str) -> list[gm.Tensor]:
+    """Every F32 tensor named `…fused…` [n, 2F(, E)] (ne) as the two halves of its rows; A factors (`lora_a`, whose
+    rows are the input) are kept whole for both."""
+    out = []
+    for t in tensors:
+        if fused not in t.name:
+            out.append(t)
+            continue
+        if t.name.endswith(".lora_a"):
+            out += [replace(t, name=t.name.replace(fused, gate)), replace(t, name=t.name.replace(fused, up))]
+            continue
+        x = np.frombuffer(t.data, np.float32).reshape(tuple(reversed(t.ne)))  # numpy order: (E, 2F, n)
+        half = x.shape[1] // 2
+        ne = (t.ne[0], half) + t.ne[2:]
+        out += [gm.Tensor(t.name.replace(fused, name), ne, t.ggml_type, np.ascontiguousarray(part).tobytes())
+                for name, part in ((gate, x[:, :half]), (up, x[:, half:]))]
+    return out
+
+
+def test_one_adapter_fits_both_expert_layouts(gguf_path, lora_gguf, tmp_path):
+    """The fused gate_up expert delta on a base with split gate/up experts, and split deltas on the fused base."""
+    g = golden("r4-all")
+    fused, gate, up = "ffn_gate_up_exps.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight"
+    split_base = rewrite(gguf_path("tiny-a", "f32"), tmp_path / "split.gguf",
+                         tensors=lambda ts: split_gate_up(ts, fused, gate, up))
+    split_adapter = rewrite(lora_gguf["r4-all"], tmp_path / "split-lora.gguf",
+                            tensors=lambda ts: split_gate_up(ts, fused, gate, up))
+    for base, adapter in ((split_base, lora_gguf["r4-all"]), (gguf_path("tiny-a", "f32"), split_adapter),
+                          (split_base, split_adapter)):
+        with Model.load(base, threads=THREADS, adapters=[adapter]) as m:
+            assert m.hparams.split_experts == (base == split_base)
+            assert np.abs(two_steps(m, g) - g["raw"]).max() <= TOLERANCE
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     x = x - x.max(axis=-1, keepdims=True)

@@ -221,6 +221,7 @@ static bool parse_name(const char *name, int n_layer, int *il, int *target, int 
         if (strncmp(name, SCOPE_PREFIX[s], n) == 0) {
             *scope = s;
             name += n;
+            break;
         }
     }
     size_t len;
@@ -232,7 +233,7 @@ static bool parse_name(const char *name, int n_layer, int *il, int *target, int 
     name += 4;
     int layer = 0, digits = 0;
     while (*name >= '0' && *name <= '9' && digits < 4) layer = layer * 10 + (*name++ - '0'), digits++;
-    if (digits == 0 || *name != '.' || layer >= n_layer) return false;
+    if (digits == 0 || *name != '.' || layer >= n_layer || (digits > 1 && name[-digits] == '0')) return false;
     name++;
     *il = layer;
     return strip_factor_suffix(name, &len, is_b) && (*target = target_named(TARGET_NAMES, name, len)) >= 0;
@@ -270,6 +271,10 @@ static bool collect_tensors(const dg_model *m, lora_file *f, char *err, size_t e
             return false;
         }
         lora_pair *p = pair_at(f, il, target, scope);
+        if (is_b ? p->b != NULL : p->a != NULL) {  // another spelling of a name already seen
+            dg_set_err(err, err_len, "adapter tensor '%s' duplicates another tensor's name", name);
+            return false;
+        }
         if (is_b) {
             p->b = t;
             p->b_data = data + gguf_get_tensor_offset(f->gguf, i);
