@@ -237,7 +237,8 @@ def with_rank(ts: list[gm.Tensor], name: str, rank: int) -> list[gm.Tensor]:
 
 Q = "dec.blk.0.attn_q.weight"
 MALFORMED = {
-    "truncated": (None, "lies past the end of the file"),
+    "truncated": (lambda raw: raw[:-100], "lies past the end of the file"),
+    "lying tensor count": (lambda raw: raw[:8] + (1 << 40).to_bytes(8, "little") + raw[16:], "cannot fit in a"),
     "lora_b missing": (dict(tensors=lambda ts: [t for t in ts if t.name != Q + ".lora_b"]),
                        f"adapter tensor '{Q}.lora_b' is missing"),
     "rank mismatch": (dict(tensors=lambda ts: with_rank(ts, Q, 3)), "lora_a has rank 4 but lora_b has rank 3"),
@@ -272,8 +273,8 @@ def test_malformed_adapter_is_one_clear_error(gguf_path, lora_gguf, tmp_path, ca
     src = lora_gguf["r4-all"]
     dst = tmp_path / "bad.gguf"
     how, message = MALFORMED[case]
-    if how is None:
-        dst.write_bytes(src.read_bytes()[: src.stat().st_size - 100])
+    if callable(how):  # the file's bytes
+        dst.write_bytes(how(src.read_bytes()))
     else:
         rewrite(src, dst, **how)
     base = gguf_path("tiny-a", "f32")
