@@ -2,14 +2,15 @@
 
 The goldens are tests/fixtures/lora/<adapter>/ (tests/reference/make_lora_fixtures.py): random PEFT adapters on
 tiny-a with different encoder and decoder deltas; `r4-all` adapts attention, dense MLP, router and experts, `r8-attn-mlp`
-attention and dense MLP. Each is loaded from its PEFT folder (converted by dgemma_convert.lora on the way) and from the
+attention and dense MLP, `r4-self-cond` the self-conditioning MLP (and one q projection). Each is loaded from its PEFT folder (converted by dgemma_convert.lora on the way) and from the
 GGUF LoRA file the converter writes; at F32 the first and the self-conditioned step match PEFT within 1e-4 and the
 `--rng torch` generation token for token. At Q8_0 the base is quantized and the adapter applied at run time: the KL
 against the F32 result is printed (pytest -s) and bounded like tests/test_engine_quant.py's Q8_0 bound.
 
-Measured (1 thread, the two steps): max |Δlogit| vs PEFT 1.6e-5 (r4-all), 1.2e-5 (r8-attn-mlp), tiny-a without an
-adapter 7.4e-6; Q8_0 base + adapter vs F32 + adapter: mean KL 6.6e-3 nats, top-1 0.75 (r4-all) and 3.1e-3, 0.88
-(r8-attn-mlp); the Q8_0 base alone against the F32 base on the same steps: 1.3e-2.
+Measured (1 thread, the two steps): max |Δlogit| vs PEFT 1.6e-5 (r4-all), 1.2e-5 (r8-attn-mlp), 1.1e-5
+(r4-self-cond), tiny-a without an adapter 7.4e-6; Q8_0 base + adapter vs F32 + adapter: mean KL 6.6e-3 nats, top-1
+0.75 (r4-all); 3.1e-3, 0.88 (r8-attn-mlp); 1.4e-2, 0.91 (r4-self-cond); the Q8_0 base alone against the F32 base on
+the same steps: 1.3e-2.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from dgemma_engine.model import Context, Model
 from test_engine_devices import needs_rpc, rpc_endpoint  # noqa: F401 (rpc_endpoint is a fixture)
 
 LORA = Path(__file__).parent / "fixtures" / "lora"
-ADAPTERS = ("r4-all", "r8-attn-mlp")
+ADAPTERS = ("r4-all", "r8-attn-mlp", "r4-self-cond")
 TOLERANCE = 1e-4
 THREADS = 1
 Q8_MAX_MEAN_KL = 2e-2  # tests/test_engine_quant.py's tiny-a Q8_0 bound (the base alone measures 1.0e-2)

@@ -53,22 +53,26 @@ class AdapterSpec:
     name: str
     r: int
     alpha: float
-    modules: str                  # regex alternatives after ".layers.N." (PEFT's target_modules is the full regex)
+    modules: str                  # PEFT's target_modules (a regex over module paths)
     experts: bool                 # also target the routed experts (target_parameters)
     seed: int
 
 
 ADAPTERS = (
     AdapterSpec("r4-all", r=4, alpha=8.0, experts=True, seed=11,
-                modules=r"(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj|router\.proj)"),
+                modules=PASS_PATTERN + r"(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj|router\.proj)$"),
     AdapterSpec("r8-attn-mlp", r=8, alpha=4.0, experts=False, seed=12,
-                modules=r"(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)"),
+                modules=PASS_PATTERN + r"(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)$"),
+    # the decoder's self-conditioning MLP and one attention projection per pass
+    AdapterSpec("r4-self-cond", r=4, alpha=4.0, experts=False, seed=13,
+                modules=r".*decoder\.self_conditioning\.(?:gate|up|down)_proj$|"
+                        r".*(?:encoder\.language_model|decoder)\.layers\.0\.self_attn\.q_proj$"),
 )
 
 
 def peft_model(spec: AdapterSpec, base_dir: Path):
     model = load_model(base_dir)
-    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=PASS_PATTERN + spec.modules + "$",
+    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=spec.modules,
                         target_parameters=["experts.gate_up_proj", "experts.down_proj"] if spec.experts else None,
                         init_lora_weights=False, lora_dropout=0.0)
     pm = get_peft_model(model, config)
