@@ -186,13 +186,13 @@ def check_against_base(header: LoraHeader, base_architecture: str, base_tensors:
 
 def read_lora_header(path: Path) -> LoraHeader:
     """Read and check a GGUF LoRA file's header (data offsets included: a truncated file is refused)."""
-    metadata, tensors, _ = _read_gguf(Path(path))
+    metadata, tensors = _read_gguf(Path(path))
     return lora_header_from(metadata, ((t.name, t.ne, t.type_name) for t in tensors))
 
 
 def read_base_tensors(path: Path) -> tuple[str, dict[str, tuple[int, ...]]]:
     """A base GGUF's architecture and tensor shapes (ggml ne)."""
-    metadata, tensors, _ = _read_gguf(Path(path))
+    metadata, tensors = _read_gguf(Path(path))
     if metadata.get("general.type", "model") != "model":
         raise LoraError(f"{Path(path).name} is not a base model (general.type {metadata.get('general.type')!r})")
     return str(metadata.get("general.architecture", "")), {t.name: t.ne for t in tensors}
@@ -205,7 +205,7 @@ class _GGUFTensor:
     type_name: str
 
 
-def _read_gguf(path: Path) -> tuple[dict[str, Any], list[_GGUFTensor], int]:
+def _read_gguf(path: Path) -> tuple[dict[str, Any], list[_GGUFTensor]]:
     from gguf import GGUFReader
 
     try:
@@ -224,7 +224,7 @@ def _read_gguf(path: Path) -> tuple[dict[str, Any], list[_GGUFTensor], int]:
         raise LoraError(f"cannot read {path.name}: {exc.strerror or exc}") from None
     except Exception as exc:  # noqa: BLE001 (gguf-py raises many types on malformed input)
         raise LoraError(f"{path.name} is not a valid GGUF file ({exc.__class__.__name__}: {exc})"[:300]) from None
-    return metadata, tensors, size
+    return metadata, tensors
 
 
 def _field_value(f) -> Any:
@@ -383,6 +383,8 @@ def _plan_pairs(settings: PeftSettings, entries: Mapping[str, TensorEntry]) -> t
             raise LoraError(f"adapter tensor {key!r} has dtype {entry.dtype}; only F32, F16 and BF16 are supported")
         raw, half = match.group(1), match.group(2)
         module = raw.replace(".base_layer", "")
+        if module.startswith(("decoder.", "encoder.")):  # an adapter made on DiffusionGemmaModel (no LM head)
+            module = "model." + module
         wrapped.setdefault(raw, _Wrapped(module, raw.count(".base_layer"))).halves[half] = entry
     if not wrapped:
         raise LoraError(f"{WEIGHTS_FILE} holds no LoRA weights")
