@@ -178,6 +178,7 @@ def test_rslora_and_alpha_pattern_keep_peft_scales(tmp_path):
     ({"peft_type": "LOHA"}, "only LoRA adapters are supported"),
     ({"lora_alpha": 0}, "lora_alpha must be a positive number"),
     ({"use_rslora": True, "alpha_pattern": {"q_proj": 2}}, "use_rslora together with"),
+    ({"rank_pattern": {"(a+)+$": 8}}, "is not a module name"),
 ])
 def test_unsupported_peft_adapters_are_refused(tmp_path, changes, message):
     with pytest.raises(LoraError, match=message.replace("(", r"\(").replace(")", r"\)")):
