@@ -54,6 +54,8 @@ def generate(
     entropy_bound: Optional[float] = typer.Option(None, "--entropy-bound"),
     confidence_threshold: Optional[float] = typer.Option(None, "--confidence-threshold"),
     stability_threshold: Optional[int] = typer.Option(None, "--stability-threshold"),
+    num_canvases: Optional[int] = typer.Option(None, "--num-canvases",
+                                               help="candidate canvases denoised together (the lowest-entropy one is kept)"),
     threads: Optional[int] = typer.Option(None, "--threads"),
     num_gpu: Optional[int] = typer.Option(None, "--num-gpu", help="layers on accelerators / RPC devices (-ngl)"),
     num_cpu_moe: int = typer.Option(0, "--num-cpu-moe", help="first N layers keep their experts on the CPU"),
@@ -66,5 +68,6 @@ def generate(
         model, parse_ids(prompt_ids), seed=seed, rng=rng, max_new_tokens=max_new_tokens, steps=steps, t_max=t_max,
         t_min=t_min, entropy_bound=entropy_bound, confidence_threshold=confidence_threshold,
         stability_threshold=stability_threshold, threads=threads, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe,
+        num_canvases=num_canvases,
         adapters=parse_adapters(lora),
     )

@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dgemma_cli.errors import DgemmaError
+from dgemma_engine.tasks import UNITS
 
 if TYPE_CHECKING:
     from dgemma_cli.session import TaskContext
@@ -33,11 +34,6 @@ CANVAS = 81  # one canvas holds the whole answer (num_predict 81)
 MAX_TRIES = 4  # a failed grid is retried with a new seed; most unsolved puzzles are solved within 4 tries
 USAGE_EXAMPLE = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
 
-ROWS = [[r * 9 + c for c in range(9)] for r in range(9)]
-COLS = [[r * 9 + c for r in range(9)] for c in range(9)]
-BOXES = [[(br * 3 + r) * 9 + bc * 3 + c for r in range(3) for c in range(3)] for br in range(3) for bc in range(3)]
-UNITS = [("row", i + 1, u) for i, u in enumerate(ROWS)] + [("column", i + 1, u) for i, u in enumerate(COLS)] + \
-    [("box", i + 1, u) for i, u in enumerate(BOXES)]
 
 
 # ---- puzzles and grids ----------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ def run_debug_generation(model: Model, prompt_ids: Sequence[int], params: Sample
     canvases: list[CanvasEvent] = []
     step_seconds: list[float] = []
     prefill_s = 0.0
-    with Context(model, n_ctx=n_ctx, threads=threads) as ctx:
+    with Context(model, n_ctx=n_ctx, threads=threads, max_canvases=params.num_canvases) as ctx:
         for event in generate(ctx, prompt_ids, params, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                               threads=threads):
             match event:
@@ -49,6 +49,8 @@ def run_debug_generation(model: Model, prompt_ids: Sequence[int], params: Sample
                     prefill_s = event.stats.prompt_eval_s
     result: dict[str, Any] = {"sequence": torch_compatible_sequence(prompt_ids, canvases, pad_id),
                               "steps_per_canvas": [ev.steps for ev in canvases]}
+    if params.num_canvases > 1:  # which candidate each committed canvas was (absent for one: a fixed interface)
+        result["candidates"] = [ev.candidate for ev in canvases]
     if timings:
         result["timings"] = {"prefill_s": prefill_s, "steps_s": step_seconds}
     return result
@@ -60,7 +62,7 @@ def debug_generate(model: str | os.PathLike, prompt_ids: list[int], seed: int = 
                    confidence_threshold: float | None = None, stability_threshold: int | None = None,
                    threads: int | None = None, eos_ids: Sequence[int] | None = None,
                    out: TextIO | None = None, num_gpu: int | None = None, num_cpu_moe: int = 0,
-                   adapters: Sequence = ()) -> dict[str, Any]:
+                   num_canvases: int | None = None, adapters: Sequence = ()) -> dict[str, Any]:
     """Load the GGUF (with LoRA `adapters` as `Model.load` takes them), generate, print the JSON line to `out`
     (stdout) and return it as a dict."""
     if rng not in ("torch", "fast"):
@@ -72,7 +74,8 @@ def debug_generate(model: str | os.PathLike, prompt_ids: list[int], seed: int = 
     with Model.load(model, threads=threads, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe, adapters=adapters) as m:
         params = SamplerParams.from_metadata(
             m.metadata, max_steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
-            confidence_threshold=confidence_threshold, stability_threshold=stability_threshold, seed=seed, rng=rng)
+            confidence_threshold=confidence_threshold, stability_threshold=stability_threshold,
+            num_canvases=num_canvases, seed=seed, rng=rng)
         _validate(params)
         result = run_debug_generation(m, prompt_ids, params, max_new_tokens, eos_ids=eos_ids, threads=threads,
                                       timings=True)

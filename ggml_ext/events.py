@@ -20,6 +20,7 @@ class StepEvent:
     accepted: int              # positions that kept their sampled token
     accepted_mask: list[bool] | None = None   # which positions those are (the CLI's live view styles them)
     seconds: float = 0.0       # wall time of the step: the decoder pass and the sampler
+    candidates: int = 1        # candidate canvases this step denoised together (the draft is the most certain one's)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class CanvasEvent:
     steps: int
     canvas: list[int] = field(default_factory=list)
     eos_position: int | None = None    # index in `canvas` of the first EOS id, if any
+    candidate: int = 0                 # which of the num_canvases candidates was committed
+    checked: bool | None = None        # a task checker's verdict on it (None: no checker)
 
 
 @dataclass(frozen=True)

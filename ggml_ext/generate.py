@@ -11,6 +11,13 @@ Per canvas: C uniform tokens, then up to N steps (decoder step -> sampler), the 
 each later one self-conditioned on the previous step's logits / T_prev (kept inside the engine). A canvas ends when
 the argmax canvas is stable and confident, or after N steps; its last argmax canvas is committed. A canvas containing
 an EOS id ends generation; otherwise it is appended to the cache by one causal encoder pass (never a re-prefill).
+
+num_canvases > 1: that many candidates with independent noise (candidate k draws from seed + k * CANDIDATE_SEED_STRIDE;
+candidate 0 is the single-canvas run) are denoised together, one batched decoder step over the shared cache per step,
+and finished candidates leave the batch. With a task checker the first candidate to finish that passes it is
+committed at once; otherwise, once all have finished, the one with the lowest final mean entropy. With a checker and
+self-correction, a finished candidate that breaks a rule has those positions renoised and goes on denoising while it
+has steps left (docs/generation.md, "Candidate canvases").
 """
 from __future__ import annotations
 
@@ -19,7 +26,9 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Generator, Iterator, Sequence
+
+import numpy as np
 
 from dgemma_engine.errors import EngineError
 from dgemma_engine.events import CanvasEvent, DoneEvent, Event, GenerationStats, StepEvent
@@ -28,6 +37,10 @@ from dgemma_engine.settings import SamplerParams  # re-exported: callers import 
 
 if TYPE_CHECKING:
     from dgemma_engine.constrained import CanvasConstraint
+    from dgemma_engine.sampler import StepResult
+    from dgemma_engine.tasks import CanvasChecker
+
+CANDIDATE_SEED_STRIDE = 1_000_003  # candidate k of a generation samples with seed + k * stride
 
 # Stop ids of the released model (<eos>, <turn|>, <|tool_response>); GGUF files do not store them (see
 # eos_ids_from_metadata).
@@ -60,15 +73,86 @@ def eos_ids_from_metadata(metadata: dict[str, Any]) -> tuple[int, ...]:
 # The loop
 
 
+@dataclass
+class _Candidate:
+    index: int
+    sampler: Sampler
+    canvas: np.ndarray
+    result: StepResult | None = None
+    logits: np.ndarray | None = None   # its last step's logits, kept when the batch moves on (structured output)
+    failed: bool = False               # finished and broke the checker's rules
+
+
+def _denoise(ctx: Any, candidates: list[_Candidate], b: int, params: SamplerParams, cancel: threading.Event | None,
+             checker: CanvasChecker | None, self_correct: bool, keep_logits: bool
+             ) -> Generator[StepEvent, None, tuple[_Candidate, Any] | None]:
+    """Denoise one canvas position's candidates; yields a StepEvent per (batched) decoder step and returns the
+    chosen candidate with its last logits, or None when cancelled."""
+    C = candidates[0].canvas.shape[0]
+    active = list(candidates)
+    finished: list[_Candidate] = []
+    prev_temperature = None
+    while True:
+        if cancel is not None and cancel.is_set():
+            return None
+        step_start = time.perf_counter()
+        batch = active[0].canvas if len(active) == 1 and len(candidates) == 1 else np.stack([c.canvas for c in active])
+        logits = ctx.step(batch, sc_temperature=prev_temperature)
+        if len(active) == 1:
+            active[0].result = active[0].sampler.step(logits)
+        else:  # each sampler reads its candidate's rows in place
+            address, canvas_bytes = ctx.logits_address(), 4 * C * logits.shape[1]
+            for i, cand in enumerate(active):
+                cand.result = cand.sampler.step(address + i * canvas_bytes)
+        lead = min(active, key=lambda c: c.result.mean_entropy) if len(active) > 1 else active[0]
+        r = lead.result
+        yield StepEvent(b, r.step, params.max_steps, r.argmax.tolist(), r.mean_entropy, r.n_accepted,
+                        r.accepted.tolist(), time.perf_counter() - step_start, len(active))
+        still: list[_Candidate] = []
+        for i, cand in enumerate(active):
+            r = cand.result
+            if not r.finished:
+                cand.canvas = r.canvas
+                still.append(cand)
+                continue
+            bad = checker.violations(r.argmax.tolist()) if checker is not None else []
+            if checker is not None and not bad:
+                rows = logits[i * C:(i + 1) * C]
+                return cand, rows
+            if bad and self_correct:
+                reset = np.zeros(C, bool)
+                reset[bad] = True
+                reopened = cand.sampler.reopen(r.argmax, reset)
+                if reopened is not None:
+                    cand.canvas = reopened
+                    still.append(cand)
+                    continue
+            cand.failed = bool(bad)
+            if keep_logits:  # a view while this step's logits stay put; a copy when the batch goes on
+                rows = logits[i * C:(i + 1) * C]
+                cand.logits = rows if len(candidates) == 1 else np.array(rows)
+            finished.append(cand)
+        if not still:
+            best = min(finished, key=lambda c: (c.result.mean_entropy, c.index))
+            return best, best.logits
+        if len(still) < len(active):
+            ctx.keep_canvases([c in still for c in active])
+        active = still
+        prev_temperature = lead.result.temperature  # the same step of every candidate: the same temperature
+
+
 def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None = None, max_new_tokens: int = 256,
              eos_ids: Sequence[int] | None = RELEASED_EOS_IDS, tokenizer: Any = None,
              cancel: threading.Event | None = None, threads: int | None = None,
-             constraint: CanvasConstraint | None = None) -> Iterator[Event]:
+             constraint: CanvasConstraint | None = None, checker: CanvasChecker | None = None,
+             self_correct: bool = True) -> Iterator[Event]:
     """Generate after `prompt_ids` (appended to whatever `ctx` has cached). Yields StepEvent per step, CanvasEvent
     per committed canvas and one final DoneEvent. The token budget is in whole canvases: ceil(max_new_tokens / C).
     `cancel` is checked between steps. Raises EngineError on unusable input (nothing to condition on, a prompt that
-    leaves no room for a canvas). With a `constraint` (structured output), each committed canvas is its constrained
-    MAP decode of the last step's logits instead of the argmax canvas (docs/generation.md, "Structured output")."""
+    leaves no room for a diffusion canvas). With a `constraint` (structured output), each committed canvas is its
+    constrained MAP decode of the last step's logits instead of the argmax canvas (docs/generation.md, "Structured
+    output"). `checker`: the task's rules (dgemma_engine.tasks), used to choose among candidates and, with
+    `self_correct`, to renoise positions that break them."""
     params = params or SamplerParams()
     model = ctx.model
     C = int(model.hparams.canvas_length)
@@ -81,15 +165,22 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
     if ctx.n_past + len(prompt) + C > ctx.n_ctx:
         raise EngineError(f"prompt ({ctx.n_past + len(prompt)} tokens) leaves no room for a diffusion canvas "
                           f"({C} tokens) within the context window ({ctx.n_ctx} tokens)")
+    n_candidates = int(params.num_canvases)
+    held = getattr(ctx, "max_canvases", 1)
+    if not 1 <= n_candidates <= held:
+        raise EngineError(f"num_canvases {n_candidates} needs a context made for that many canvases "
+                          f"(this one holds {held})")
     seed = params.seed if params.seed is not None else secrets.randbits(63)
     eos = frozenset(int(t) for t in (eos_ids or ()))
     n_canvases = math.ceil(max_new_tokens / C)
     decoder = tokenizer.stream_decoder() if tokenizer is not None else None
 
-    sampler = Sampler(C, V, max_steps=params.max_steps, t_min=params.t_min, t_max=params.t_max,
-                      entropy_bound=params.entropy_bound, confidence_threshold=params.confidence_threshold,
-                      stability_threshold=params.stability_threshold, seed=seed, rng=params.rng,
-                      greedy=params.greedy, threads=threads)
+    samplers = [Sampler(C, V, max_steps=params.max_steps, t_min=params.t_min, t_max=params.t_max,
+                        entropy_bound=params.entropy_bound, confidence_threshold=params.confidence_threshold,
+                        stability_threshold=params.stability_threshold,
+                        seed=(seed + k * CANDIDATE_SEED_STRIDE) % (1 << 63), rng=params.rng, greedy=params.greedy,
+                        threads=threads)
+                for k in range(n_candidates)]
     try:
         start = time.perf_counter()
         if prompt:
@@ -104,21 +195,14 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
             return DoneEvent(reason, replace(stats, denoise_s=elapsed, tokens_per_s=rate))
 
         for b in range(n_canvases):
-            canvas = sampler.begin_canvas()
-            prev_temperature = None
-            while True:
-                if cancel is not None and cancel.is_set():
-                    yield finish("cancelled")
-                    return
-                step_start = time.perf_counter()
-                logits = ctx.step(canvas, sc_temperature=prev_temperature)
-                result = sampler.step(logits)
-                yield StepEvent(b, result.step, params.max_steps, result.argmax.tolist(), result.mean_entropy,
-                                result.n_accepted, result.accepted.tolist(), time.perf_counter() - step_start)
-                if result.finished:
-                    break
-                canvas, prev_temperature = result.canvas, result.temperature
-
+            candidates = [_Candidate(k, s, s.begin_canvas()) for k, s in enumerate(samplers)]
+            chosen = yield from _denoise(ctx, candidates, b, params, cancel, checker, self_correct,
+                                         keep_logits=constraint is not None)
+            if chosen is None:
+                yield finish("cancelled")
+                return
+            cand, logits = chosen
+            result = cand.result
             if constraint is None:
                 committed = result.argmax.tolist()
             else:  # the last canvas the budget or the context allows must close the value if it can
@@ -133,7 +217,8 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
                 text = decoder.feed(ids) + (decoder.flush() if last else "")
             stats = replace(stats, canvases=b + 1, steps_per_canvas=stats.steps_per_canvas + [result.step],
                             committed_tokens=stats.committed_tokens + len(ids))
-            yield CanvasEvent(b, ids, text, result.step, committed, eos_position)
+            checked = None if checker is None else not cand.failed and not checker.violations(committed)
+            yield CanvasEvent(b, ids, text, result.step, committed, eos_position, cand.index, checked)
             if hits:
                 yield finish("eos")
                 return
@@ -145,7 +230,8 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
                 return
             ctx.encode(committed)
     finally:
-        sampler.close()
+        for s in samplers:
+            s.close()
 
 
 def torch_compatible_sequence(prompt_ids: Sequence[int], canvases: Sequence[CanvasEvent],

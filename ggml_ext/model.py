@@ -105,12 +105,13 @@ def _engine() -> ctypes.CDLL:
         "dg_model_load_adapters": (I, [P, ctypes.POINTER(C), ctypes.POINTER(F), I, C, S]),
         "dg_adapter_check": (I, [C, C, C, S]),
         "dg_model_n_adapters": (I, [P]),
-        "dg_context_new": (P, [P, I, I, C, S]),
+        "dg_context_new_multi": (P, [P, I, I, I, C, S]),
         "dg_context_free": (None, [P]),
         "dg_context_n_past": (I, [P]),
         "dg_context_reset": (None, [P]),
         "dg_context_encode": (I, [P, P, I, C, S]),
-        "dg_context_step": (P, [P, P, I, I, F, C, S]),
+        "dg_context_step_canvases": (P, [P, P, I, I, I, F, C, S]),
+        "dg_context_keep_canvases": (I, [P, P, I, C, S]),
         "dg_context_set_self_cond": (I, [P, P, I, C, S]),
         "dg_context_logits": (P, [P]),
         "dg_context_logits_rows": (I, [P]),
@@ -375,17 +376,20 @@ def _token_array(ids, n_vocab: int, what: str) -> np.ndarray:
 
 
 class Context(_Closeable):
-    """K/V cache + decoder state for one sequence."""
+    """K/V cache + decoder state for one sequence. `max_canvases`: the most candidate canvases one step may denoise
+    together (num_canvases); each beyond the first costs one canvas of cache scratch and of logits."""
 
-    def __init__(self, model: Model, n_ctx: int = 4096, threads: int | None = None):
+    def __init__(self, model: Model, n_ctx: int = 4096, threads: int | None = None, max_canvases: int = 1):
         self.model = model
         self._n_vocab = model.hparams.n_vocab
         threads = _default_threads(threads if threads is not None else model.threads)
         err = ctypes.create_string_buffer(_ERR_LEN)
-        self._handle = _engine().dg_context_new(model._require(), int(n_ctx), threads, err, _ERR_LEN)
+        self._handle = _engine().dg_context_new_multi(model._require(), int(n_ctx), threads, int(max_canvases), err,
+                                                      _ERR_LEN)
         if not self._handle:
             raise EngineError(f"cannot create a context: {_error(err)}")
         self.n_ctx = int(n_ctx)
+        self.max_canvases = int(max_canvases)
         model._contexts.add(self)
 
     def _require(self) -> int:
@@ -412,8 +416,17 @@ class Context(_Closeable):
         """One decoder step; float32 [len(canvas_ids), n_vocab] softcapped raw logits (read-only view).
 
         sc_temperature None: first step of a canvas, no self-conditioning. Otherwise the self-conditioning input is
-        the previous step's raw logits divided by sc_temperature."""
-        arr = _token_array(canvas_ids, self._n_vocab, "canvas ids")
+        the previous step's raw logits divided by sc_temperature.
+
+        A 2-D `canvas_ids` [N, C] denoises N candidate canvases in one step (each sees the cached context and its own
+        rows only); the logits are then [N * C, n_vocab], canvas after canvas."""
+        candidates = np.asarray(canvas_ids)
+        n_canvases = candidates.shape[0] if candidates.ndim == 2 else 1
+        if candidates.ndim == 2:
+            if n_canvases < 1:
+                raise EngineError("a step needs at least one canvas")
+            candidates = candidates.reshape(-1)
+        arr = _token_array(candidates, self._n_vocab, "canvas ids")
         use_sc = sc_temperature is not None
         inv_temp = 0.0
         if use_sc:
@@ -422,11 +435,19 @@ class Context(_Closeable):
                 raise EngineError(f"sc_temperature must be positive and finite, got {sc_temperature}")
             inv_temp = 1.0 / t
         err = ctypes.create_string_buffer(_ERR_LEN)
-        ptr = _engine().dg_context_step(self._require(), arr.ctypes.data, arr.size, int(use_sc), inv_temp, err,
-                                        _ERR_LEN)
+        ptr = _engine().dg_context_step_canvases(self._require(), arr.ctypes.data, arr.size, n_canvases, int(use_sc),
+                                                 inv_temp, err, _ERR_LEN)
         if not ptr:
             raise EngineError(_error(err))
         return self._view(ptr, arr.size)
+
+    def keep_canvases(self, keep) -> None:
+        """After a step over N candidates: keep those with keep[k] true (their logits move to the front, in order) so
+        the next, self-conditioned step can run on them alone."""
+        mask = np.ascontiguousarray(np.asarray(keep, dtype=bool), dtype=np.uint8)
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        if _engine().dg_context_keep_canvases(self._require(), mask.ctypes.data, mask.size, err, _ERR_LEN) < 0:
+            raise EngineError(_error(err))
 
     def _view(self, ptr: int, rows: int) -> np.ndarray:
         buf = (ctypes.c_float * (rows * self._n_vocab)).from_address(ptr)

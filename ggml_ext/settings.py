@@ -28,6 +28,7 @@ class Limits:
     low: float | str
     inclusive: bool = True  # False: strictly greater than `low`
     capped: bool = False    # also at most the server's step cap (DGEMMA_MAX_STEPS), when the caller passes one
+    high: float | None = None  # a fixed upper bound (inclusive)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class SamplerSetting:
     def limits_for(self, reference: bool) -> Limits:
         return self.reference_limits if reference and self.reference_limits is not None else self.limits
 
+
+MAX_CANVASES = 16  # num_canvases: beyond this, memory grows and the gain in quality is marginal
 
 # In the order requests, `show` and `/set parameter` list them.
 SAMPLER_SETTINGS: tuple[SamplerSetting, ...] = (
@@ -68,6 +71,10 @@ SAMPLER_SETTINGS: tuple[SamplerSetting, ...] = (
     SamplerSetting("stability_threshold", "diffusion_stability_threshold", "diffusion.eb_stability_threshold",
                    "stability_threshold", int, 1, "stability threshold", "Unchanged steps needed to stop early",
                    Limits(1), Limits(0)),
+    # candidates cost a canvas of cache scratch and logits each, and one decoder step holds them all
+    SamplerSetting("num_canvases", "num_canvases", "diffusion.num_canvases", "num_canvases", int, 1,
+                   "parallel canvases", "Candidate canvases denoised together; the best one is kept",
+                   Limits(1, high=MAX_CANVASES)),
 )
 
 
@@ -144,10 +151,11 @@ def _broken_rule(setting: SamplerSetting, values: Mapping[str, float], cap: int 
     value = values[setting.field]
     too_low = value < low if limits.inclusive else not value > low
     capped = limits.capped and cap is not None
-    if not too_low and not (capped and value > cap):
+    high = cap if capped else limits.high
+    if not too_low and not (high is not None and value > high):
         return None
-    if capped:
-        return f"must be between {bound} and {cap}"
+    if high is not None:
+        return f"must be between {bound} and {high:g}"
     return f"must be at least {bound}" if limits.inclusive else f"must be greater than {bound}"
 
 
@@ -176,6 +184,7 @@ class SamplerParams:
     entropy_bound: float = _RELEASED["entropy_bound"]
     confidence_threshold: float = _RELEASED["confidence_threshold"]
     stability_threshold: int = _RELEASED["stability_threshold"]
+    num_canvases: int = _RELEASED["num_canvases"]
     seed: int | None = None
     rng: str = "fast"          # "fast" (counter-based, parallel) or "torch" (transformers' CPU stream, bit for bit)
     greedy: bool = False       # argmax instead of a categorical draw (reference recordings, `temperature: 0`)

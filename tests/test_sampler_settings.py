@@ -34,13 +34,16 @@ def test_every_row_is_a_sampler_params_field_with_the_rows_default():
     by_name = {f.name: f for f in fields(SamplerParams)}
     for s in settings.SAMPLER_SETTINGS:
         assert by_name[s.field].default == s.default and isinstance(s.default, s.type), s.field
-        assert s.option.startswith("diffusion_") and s.gguf_key.startswith("diffusion.eb_"), s.field
+        # the entropy-bound sampler's own settings; num_canvases is the seeds' option name for the candidates
+        if s.field != "num_canvases":
+            assert s.option.startswith("diffusion_") and s.gguf_key.startswith("diffusion.eb_"), s.field
+        assert s.gguf_key.startswith("diffusion."), s.field
     assert len({s.option for s in settings.SAMPLER_SETTINGS}) == len(settings.SAMPLER_SETTINGS)
 
 
 def test_released_defaults_and_gguf_defaults():
     assert RELEASED == {"max_steps": 48, "t_max": 0.8, "t_min": 0.4, "entropy_bound": 0.1,
-                        "confidence_threshold": 0.005, "stability_threshold": 1}
+                        "confidence_threshold": 0.005, "stability_threshold": 1, "num_canvases": 1}
     got = settings.defaults_from_metadata({"diffusion.eb_max_steps": 12.0, "diffusion.eb_t_min": True,
                                            "diffusion.eb_t_max": "hot"})
     assert got == {**RELEASED, "max_steps": 12}  # a bool or a string is no number: the released value stays
@@ -119,40 +122,40 @@ def test_precheck_does_not_guess_an_unknown_relation():
 
 # ---- one new row reaches every front end --------------------------------------------------------------------------
 
-FAKE = SamplerSetting("num_canvases", "diffusion_num_canvases", "diffusion.eb_num_canvases", "num_canvases", int, 1,
-                      "parallel canvases", "Canvases denoised side by side", Limits(1))
+FAKE = SamplerSetting("warmup_steps", "diffusion_warmup_steps", "diffusion.eb_warmup_steps", "warmup_steps", int, 1,
+                      "warmup steps", "Steps sampled at t_max first", Limits(1))
 
 
 @dataclass(frozen=True)
-class SettingsWithCanvases(server_options.SamplerSettings):
+class SettingsWithWarmup(server_options.SamplerSettings):
     """The engine's half of adding a setting: the field the sampler would read."""
 
-    num_canvases: int = 1
+    warmup_steps: int = 1
 
 
 @pytest.fixture
 def fake_row(monkeypatch):
     monkeypatch.setattr(settings, "SAMPLER_SETTINGS", settings.SAMPLER_SETTINGS + (FAKE,))
-    monkeypatch.setattr(server_options, "SamplerSettings", SettingsWithCanvases)
+    monkeypatch.setattr(server_options, "SamplerSettings", SettingsWithWarmup)
 
 
 def test_a_new_row_is_a_modelfile_parameter(fake_row):
-    assert parse_modelfile("FROM m\nPARAMETER diffusion_num_canvases 3\n").parameters == {"diffusion_num_canvases": 3}
+    assert parse_modelfile("FROM m\nPARAMETER diffusion_warmup_steps 3\n").parameters == {"diffusion_warmup_steps": 3}
     with pytest.raises(ModelfileError, match=r"invalid int value \[many\]"):
-        parse_modelfile("FROM m\nPARAMETER diffusion_num_canvases many\n")
-    with pytest.raises(ModelfileError, match=r"^invalid value for diffusion_num_canvases: 0 \(must be at least 1\)$"):
-        check_parameter_ranges({"diffusion_num_canvases": 0})
+        parse_modelfile("FROM m\nPARAMETER diffusion_warmup_steps many\n")
+    with pytest.raises(ModelfileError, match=r"^invalid value for diffusion_warmup_steps: 0 \(must be at least 1\)$"):
+        check_parameter_ranges({"diffusion_warmup_steps": 0})
 
 
 def test_a_new_row_is_an_api_option(fake_row):
-    assert server_options.check_options({"diffusion_num_canvases": 2.0}) == {"diffusion_num_canvases": 2}
-    with pytest.raises(RequestError, match='option "diffusion_num_canvases" must be of type integer'):
-        server_options.check_options({"diffusion_num_canvases": "2"})
-    resolved = server_options.resolve_sampler({"diffusion_num_canvases": 4}, {}, 256)
-    assert resolved.num_canvases == 4 and resolved.max_steps == 48
-    assert server_options.resolve_sampler({}, {"diffusion.eb_num_canvases": 2}, 256).num_canvases == 2
-    with pytest.raises(RequestError, match=r"^invalid value for diffusion_num_canvases: 0 \(must be at least 1\)$"):
-        server_options.precheck_sampler({"diffusion_num_canvases": 0}, 256)
+    assert server_options.check_options({"diffusion_warmup_steps": 2.0}) == {"diffusion_warmup_steps": 2}
+    with pytest.raises(RequestError, match='option "diffusion_warmup_steps" must be of type integer'):
+        server_options.check_options({"diffusion_warmup_steps": "2"})
+    resolved = server_options.resolve_sampler({"diffusion_warmup_steps": 4}, {}, 256)
+    assert resolved.warmup_steps == 4 and resolved.max_steps == 48
+    assert server_options.resolve_sampler({}, {"diffusion.eb_warmup_steps": 2}, 256).warmup_steps == 2
+    with pytest.raises(RequestError, match=r"^invalid value for diffusion_warmup_steps: 0 \(must be at least 1\)$"):
+        server_options.precheck_sampler({"diffusion_warmup_steps": 0}, 256)
 
 
 def test_a_new_row_is_a_repl_parameter(fake_row, monkeypatch):
@@ -163,25 +166,25 @@ def test_a_new_row_is_a_repl_parameter(fake_row, monkeypatch):
     out = io.StringIO()
     repl = Repl(None, RunSettings(model="tiny"), {}, out=out)
     repl.set_parameter([])
-    listing = [line for line in out.getvalue().splitlines() if "diffusion_num_canvases" in line]
-    assert len(listing) == 1 and listing[0].startswith("  /set parameter diffusion_num_canvases <int>    ")
-    assert listing[0].endswith("    Canvases denoised side by side")
-    repl.set_parameter(["diffusion_num_canvases", "2"])
-    repl.set_parameter(["diffusion_num_canvases", "two"])
-    assert out.getvalue().splitlines()[-2:] == ["Set parameter 'diffusion_num_canvases' to '2'",
+    listing = [line for line in out.getvalue().splitlines() if "diffusion_warmup_steps" in line]
+    assert len(listing) == 1 and listing[0].startswith("  /set parameter diffusion_warmup_steps <int>    ")
+    assert listing[0].endswith("    Steps sampled at t_max first")
+    repl.set_parameter(["diffusion_warmup_steps", "2"])
+    repl.set_parameter(["diffusion_warmup_steps", "two"])
+    assert out.getvalue().splitlines()[-2:] == ["Set parameter 'diffusion_warmup_steps' to '2'",
                                                 "Couldn't set parameter: \"invalid int value [two]\""]
-    assert repl.settings.options == {"diffusion_num_canvases": 2}
+    assert repl.settings.options == {"diffusion_warmup_steps": 2}
 
 
 def test_a_new_row_is_created_and_shown(fake_row, tmp_path):
     env = cli_env(tmp_path)  # nothing listens: the commands serve the API in-process, with the patched table
     write_tiny_gguf(tmp_path / "tiny.gguf")
-    (tmp_path / "Modelfile").write_text("FROM ./tiny.gguf\nPARAMETER diffusion_num_canvases 3\n")
-    code, _, err = in_process(env, "create", "canvases", "-f", str(tmp_path / "Modelfile"))
+    (tmp_path / "Modelfile").write_text("FROM ./tiny.gguf\nPARAMETER diffusion_warmup_steps 3\n")
+    code, _, err = in_process(env, "create", "warmup", "-f", str(tmp_path / "Modelfile"))
     assert code == 0, err
-    code, out, _ = in_process(env, "show", "canvases")
-    assert code == 0 and "    parallel canvases       3\n" in out
-    assert in_process(env, "show", "canvases", "--parameters") == (0, f"{'diffusion_num_canvases':<30} 3\n", "")
-    (tmp_path / "Modelfile").write_text("FROM ./tiny.gguf\nPARAMETER diffusion_num_canvases 0\n")
+    code, out, _ = in_process(env, "show", "warmup")
+    assert code == 0 and "    warmup steps            3\n" in out
+    assert in_process(env, "show", "warmup", "--parameters") == (0, f"{'diffusion_warmup_steps':<30} 3\n", "")
+    (tmp_path / "Modelfile").write_text("FROM ./tiny.gguf\nPARAMETER diffusion_warmup_steps 0\n")
     code, _, err = in_process(env, "create", "bad", "-f", str(tmp_path / "Modelfile"))
-    assert code == 1 and err.endswith("Error: invalid value for diffusion_num_canvases: 0 (must be at least 1)\n")
+    assert code == 1 and err.endswith("Error: invalid value for diffusion_warmup_steps: 0 (must be at least 1)\n")

@@ -175,10 +175,10 @@ class EngineRunner:
     def gguf_path_name(local_model: Any) -> str:
         return os.path.basename(str(local_model.gguf_path))
 
-    def _new_context(self) -> Any:
+    def _new_context(self, max_canvases: int = 1) -> Any:
         from dgemma_engine.model import Context
 
-        return Context(self.model, n_ctx=self.context_length, threads=self.threads)
+        return Context(self.model, n_ctx=self.context_length, threads=self.threads, max_canvases=max_canvases)
 
     def render_chat(self, messages: list[dict], think: bool | None, tools: list[dict] | None = None) -> str:
         return render_prompt(self.template, messages, think, self.special_tokens, tools)
@@ -200,12 +200,14 @@ class EngineRunner:
     ) -> Iterator[Any]:
         from dgemma_engine.constrained import CanvasConstraint
         from dgemma_engine.generate import eos_ids_from_metadata, generate
+        from dgemma_engine.tasks import task_checker
 
         canvas_constraint = None
         if constraint is not None:  # fresh per generation: it follows the automaton's state across canvases
             limit = sampler.num_predict if sampler.num_predict >= 1 else None
             canvas_constraint = CanvasConstraint(constraint, token_limit=limit)
-        ctx = self._take_context()
+        ctx = self._take_context(sampler.num_canvases)
+        checker = task_checker(self.tokenizer.tokens, int(self.model.hparams.canvas_length), prompt_ids)
         try:
             ctx.reset()
             yield from generate(
@@ -217,17 +219,27 @@ class EngineRunner:
                 tokenizer=self.tokenizer,
                 cancel=cancel,
                 constraint=canvas_constraint,
+                checker=checker,
             )
         finally:
             with self._lock:
                 self._contexts.append(ctx)
 
-    def _take_context(self) -> Any:
-        """A free K/V context: one per concurrent generation (the DGEMMA_NUM_PARALLEL slots bound how many exist)."""
+    def _take_context(self, canvases: int = 1) -> Any:
+        """A free K/V context holding `canvases` candidates: one per concurrent generation (the DGEMMA_NUM_PARALLEL
+        slots bound how many exist). A smaller free one is replaced by one made for the request."""
         with self._lock:
             if self._contexts:
-                return self._contexts.pop()
-        return self._new_context()
+                fits = [c for c in self._contexts if c.max_canvases >= canvases]
+                ctx = fits[0] if fits else self._contexts[0]
+                self._contexts.remove(ctx)
+                if ctx.max_canvases >= canvases:
+                    return ctx
+            else:
+                ctx = None
+        if ctx is not None:
+            ctx.close()
+        return self._new_context(canvases)
 
     def close(self) -> None:
         with self._lock:

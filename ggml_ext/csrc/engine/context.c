@@ -4,7 +4,9 @@
 // layers only ever read the last W−1 context positions (exactly what transformers' DynamicCache retains), so their
 // cache holds W−1 + alignment + one chunk of rows; when it is full, the still-visible tail moves to the front
 // (swa_base = position of slot 0). The decoder writes its canvas K/V into the free slots after n_past as scratch
-// (never committed: n_past is unchanged).
+// (never committed: n_past is unchanged). A step may hold several candidate canvases (num_canvases): their rows follow
+// one another in the scratch slots, all at the positions n_past.., and a block mask keeps each canvas to the cached
+// context and its own rows, so every candidate is computed exactly as it would be alone.
 //
 // Decoder graphs are built once per (n_past, canvas rows) in four variants [self-conditioning][output buffer]: the
 // step writes its softcapped logits into one of two persistent buffers and, with self-conditioning, reads the
@@ -195,7 +197,7 @@ static dg_attn_span span_for(const dg_context *c, int il, int n_past, int n_new)
         s.first -= pad;
         s.len += pad;
         s.padding = pad;
-    } else if (s.first + s.len + pad <= (sliding ? c->swa_cap : c->n_ctx)) {  // unused slots after the new rows
+    } else if (s.first + s.len + pad <= (sliding ? c->swa_cap : c->n_slots)) {  // unused slots after the new rows
         s.len += pad;
         s.tail = pad;
     }
@@ -337,6 +339,7 @@ static void free_step_graphs(dg_context *c) {
     }
     c->steps_n_past = -1;
     c->steps_n_rows = -1;
+    c->steps_n_canvases = -1;
 }
 
 // P·E for probabilities p [V, n]: [H, n]. F32 files: slice by slice of the transposed copy (see
@@ -354,7 +357,7 @@ static struct ggml_tensor *soft_embedding(struct ggml_context *ctx, const dg_mod
     return sum;
 }
 
-static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, int out, int n) {
+static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, int out, int n, int n_canvases) {
     const dg_model *m = c->model;
     const int64_t V = m->hp.n_vocab;
     g->ctx = new_graph_ctx(m);
@@ -384,12 +387,13 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
         const dg_attn_span span = span_for(c, il, c->n_past, n);
         const int kind = m->layers[il].sliding;
         const bool padded = span.padding > 0 || span.tail > 0;
-        if (padded && !g->mask[kind]) {  // the decoder has no mask except to hide padding slots
+        const bool masked = padded || n_canvases > 1;
+        if (masked && !g->mask[kind]) {  // one canvas needs a mask only to hide padding slots
             g->mask[kind] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, span.len, n);
             ggml_set_input(g->mask[kind]);
             g->span[kind] = span;
         }
-        x = dg_build_layer(ctx, g->gf, m, c, il, x, g->pos, padded ? g->mask[kind] : NULL,
+        x = dg_build_layer(ctx, g->gf, m, c, il, x, g->pos, masked ? g->mask[kind] : NULL,
                            slot_of(c, il, c->n_past), span, false, false);
     }
     x = dg_build_rmsw(ctx, m, x, m->output_norm);
@@ -462,7 +466,7 @@ static bool init_backends(dg_context *c, int n_threads, char *err, size_t err_le
 static bool alloc_state(dg_context *c, char *err, size_t err_len) {
     const dg_model *m = c->model;
     const dg_placement *p = &m->place;
-    const int L = m->hp.n_layer, n = p->n_devices > 0 ? p->n_devices : 1, n_ctx = c->n_ctx;
+    const int L = m->hp.n_layer, n = p->n_devices > 0 ? p->n_devices : 1, n_slots = c->n_slots;
     c->k_cache = calloc((size_t)L, sizeof(struct ggml_tensor *));
     c->v_cache = calloc((size_t)L, sizeof(struct ggml_tensor *));
     if (!c->k_cache || !c->v_cache) {
@@ -476,18 +480,20 @@ static bool alloc_state(dg_context *c, char *err, size_t err_len) {
             return false;
         }
     }
-    const int64_t swa_cap = (int64_t)m->hp.sliding_window - 1 + KEY_MULTIPLE - 1 + encode_chunk_rows(m);
-    c->swa_cap = swa_cap < n_ctx ? (int)swa_cap : n_ctx;
+    const int64_t step_rows = (int64_t)c->max_canvases * m->hp.canvas_length;
+    const int64_t new_rows = step_rows > encode_chunk_rows(m) ? step_rows : encode_chunk_rows(m);
+    const int64_t swa_cap = (int64_t)m->hp.sliding_window - 1 + KEY_MULTIPLE - 1 + new_rows;
+    c->swa_cap = swa_cap < n_slots ? (int)swa_cap : n_slots;
     for (int il = 0; il < L; il++) {
         const dg_layer *ly = &m->layers[il];
         struct ggml_context *ctx = c->ctx_state[p->unit_device[il]];
-        const int slots = ly->sliding ? c->swa_cap : n_ctx;
+        const int slots = ly->sliding ? c->swa_cap : n_slots;
         c->k_cache[il] = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, ly->head_dim, ly->n_head_kv, slots);
         c->v_cache[il] = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, slots, ly->head_dim, ly->n_head_kv);
     }
     const int out_dev = p->unit_device[L];
     for (int i = 0; i < 2; i++) {
-        c->logits[i] = ggml_new_tensor_2d(c->ctx_state[out_dev], GGML_TYPE_F32, m->hp.n_vocab, m->hp.canvas_length);
+        c->logits[i] = ggml_new_tensor_2d(c->ctx_state[out_dev], GGML_TYPE_F32, m->hp.n_vocab, step_rows);
     }
     for (int d = 0; d < n; d++) {
         if (!ggml_get_first_tensor(c->ctx_state[d])) continue;
@@ -498,8 +504,8 @@ static bool alloc_state(dg_context *c, char *err, size_t err_len) {
                  t = ggml_get_next_tensor(c->ctx_state[d], t)) {
                 bytes += ggml_nbytes(t);
             }
-            dg_set_err(err, err_len, "cannot allocate %.1f MiB for the K/V cache and logits (n_ctx %d)",
-                       bytes / 1048576.0, n_ctx);
+            dg_set_err(err, err_len, "cannot allocate %.1f MiB for the K/V cache and logits (n_ctx %d, %d canvases)",
+                       bytes / 1048576.0, c->n_ctx, c->max_canvases);
             return false;
         }
     }
@@ -516,10 +522,22 @@ static bool alloc_state(dg_context *c, char *err, size_t err_len) {
     return true;
 }
 
-DG_API dg_context *dg_context_new(dg_model *m, int n_ctx, int n_threads, char *err, size_t err_len) {
+// max_canvases: the most candidate canvases one step may hold (1 for plain generation).
+DG_API dg_context *dg_context_new_multi(dg_model *m, int n_ctx, int n_threads, int max_canvases, char *err,
+                                        size_t err_len) {
     if (err && err_len) err[0] = 0;
     if (n_ctx < 1 || n_ctx > (1 << 24)) {
         dg_set_err(err, err_len, "n_ctx must be in [1, %d], got %d", 1 << 24, n_ctx);
+        return NULL;
+    }
+    if (max_canvases < 1 || max_canvases > DG_MAX_CANDIDATES) {
+        dg_set_err(err, err_len, "max_canvases must be in [1, %d], got %d", DG_MAX_CANDIDATES, max_canvases);
+        return NULL;
+    }
+    const int64_t scratch = (int64_t)(max_canvases - 1) * m->hp.canvas_length;
+    if (n_ctx + scratch > (1 << 24)) {
+        dg_set_err(err, err_len, "n_ctx %d with %d canvases of scratch exceeds %d cache slots", n_ctx, max_canvases,
+                   1 << 24);
         return NULL;
     }
     dg_context *c = calloc(1, sizeof(dg_context));
@@ -529,8 +547,10 @@ DG_API dg_context *dg_context_new(dg_model *m, int n_ctx, int n_threads, char *e
     }
     c->model = m;
     c->n_ctx = n_ctx;
+    c->max_canvases = max_canvases;
+    c->n_slots = (int)(n_ctx + scratch);
     c->last = -1;
-    c->steps_n_past = c->steps_n_rows = -1;
+    c->steps_n_past = c->steps_n_rows = c->steps_n_canvases = -1;
     if (n_threads <= 0) n_threads = m->n_threads > 0 ? m->n_threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (n_threads <= 0) n_threads = 1;
 
@@ -539,6 +559,10 @@ DG_API dg_context *dg_context_new(dg_model *m, int n_ctx, int n_threads, char *e
         return NULL;
     }
     return c;
+}
+
+DG_API dg_context *dg_context_new(dg_model *m, int n_ctx, int n_threads, char *err, size_t err_len) {
+    return dg_context_new_multi(m, n_ctx, n_threads, 1, err, err_len);
 }
 
 DG_API void dg_context_free(dg_context *c) {
@@ -613,16 +637,38 @@ DG_API int dg_context_encode(dg_context *c, const int32_t *ids, int n, char *err
     return 0;
 }
 
-static float *step_impl(dg_context *c, const int32_t *ids, int n, int use_self_cond, float inv_temp, double *profile,
-                        char *err, size_t err_len) {
+// Decoder mask of one layer kind: padding slots hidden; with several canvases, each row also sees only its own
+// canvas's rows among the new ones (the cached context is shared).
+static void fill_decoder_mask(float *mask, dg_attn_span span, int n, int n_canvases) {
+    const int rows_per = n / n_canvases;
+    const int first_new = span.len - span.tail - n;  // span index of the first new row's slot
+    for (int t = 0; t < n; t++) {
+        for (int j = 0; j < span.len; j++) {
+            const int q = j - first_new;
+            bool visible = j >= span.padding && j < span.len - span.tail;
+            if (visible && q >= 0) visible = q / rows_per == t / rows_per;
+            mask[(size_t)t * span.len + j] = visible ? 0.0f : -INFINITY;
+        }
+    }
+}
+
+// n rows = n_canvases canvases of n / n_canvases rows each, all at positions n_past...
+static float *step_impl(dg_context *c, const int32_t *ids, int n, int n_canvases, int use_self_cond, float inv_temp,
+                        double *profile, char *err, size_t err_len) {
     if (err && err_len) err[0] = 0;
     const dg_model *m = c->model;
-    if (n < 1 || n > m->hp.canvas_length) {
-        dg_set_err(err, err_len, "canvas has %d tokens; 1..%d allowed", n, m->hp.canvas_length);
+    if (n_canvases < 1 || n_canvases > c->max_canvases) {
+        dg_set_err(err, err_len, "%d canvases in one step; this context holds 1..%d", n_canvases, c->max_canvases);
         return NULL;
     }
-    if (n > c->n_ctx - c->n_past) {
-        dg_set_err(err, err_len, "a %d-token canvas does not fit after %d cached tokens (n_ctx %d)", n, c->n_past,
+    const int rows_per = n / n_canvases;
+    if (n < 1 || n % n_canvases != 0 || rows_per > m->hp.canvas_length) {
+        dg_set_err(err, err_len, "canvas has %d tokens; 1..%d allowed", n_canvases > 1 ? rows_per : n,
+                   m->hp.canvas_length);
+        return NULL;
+    }
+    if (rows_per > c->n_ctx - c->n_past || n > c->n_slots - c->n_past) {
+        dg_set_err(err, err_len, "a %d-token canvas does not fit after %d cached tokens (n_ctx %d)", rows_per, c->n_past,
                    c->n_ctx);
         return NULL;
     }
@@ -639,14 +685,15 @@ static float *step_impl(dg_context *c, const int32_t *ids, int n, int use_self_c
         }
     }
     if (!make_sliding_room(c, n, err, err_len)) return NULL;
-    if (c->steps_n_past != c->n_past || c->steps_n_rows != n) {
+    if (c->steps_n_past != c->n_past || c->steps_n_rows != n || c->steps_n_canvases != n_canvases) {
         free_step_graphs(c);
         c->steps_n_past = c->n_past;
         c->steps_n_rows = n;
+        c->steps_n_canvases = n_canvases;
     }
     const int out = c->last == 0 ? 1 : 0;  // never overwrite the logits the self-conditioning reads
     dg_step_graph *g = &c->steps[sc][out];
-    if (!g->gf && !build_step_graph(c, g, sc, out, n)) {
+    if (!g->gf && !build_step_graph(c, g, sc, out, n, n_canvases)) {
         dg_set_err(err, err_len, "out of memory while building the decoder graph");
         return NULL;
     }
@@ -656,7 +703,7 @@ static float *step_impl(dg_context *c, const int32_t *ids, int n, int use_self_c
         dg_set_err(err, err_len, "out of memory");
         return NULL;
     }
-    fill_positions(pos, c->n_past, n);
+    for (int k = 0; k < n_canvases; k++) fill_positions(pos + (size_t)k * rows_per, c->n_past, rows_per);
     ggml_backend_tensor_set(g->ids, ids, 0, ggml_nbytes(g->ids));
     ggml_backend_tensor_set(g->pos, pos, 0, ggml_nbytes(g->pos));
     free(pos);
@@ -668,13 +715,7 @@ static float *step_impl(dg_context *c, const int32_t *ids, int n, int use_self_c
             dg_set_err(err, err_len, "out of memory");
             return NULL;
         }
-        const dg_attn_span span = g->span[kind];
-        for (int t = 0; t < n; t++) {
-            for (int j = 0; j < span.len; j++) {
-                const bool pad = j < span.padding || j >= span.len - span.tail;
-                mask[(size_t)t * span.len + j] = pad ? -INFINITY : 0.0f;
-            }
-        }
+        fill_decoder_mask(mask, g->span[kind], n, n_canvases);
         ggml_backend_tensor_set(g->mask[kind], mask, 0, ggml_nbytes(g->mask[kind]));
         free(mask);
     }
@@ -695,22 +736,57 @@ static float *step_impl(dg_context *c, const int32_t *ids, int n, int use_self_c
 
 DG_API float *dg_context_step(dg_context *c, const int32_t *ids, int n, int use_self_cond, float inv_temp, char *err,
                               size_t err_len) {
-    return step_impl(c, ids, n, use_self_cond, inv_temp, NULL, err, err_len);
+    return step_impl(c, ids, n, 1, use_self_cond, inv_temp, NULL, err, err_len);
+}
+
+// One step over n_canvases candidate canvases of n / n_canvases rows each (ids: canvas after canvas); logits rows in
+// the same order. Self-conditioning reads the previous step's rows, which must have been the same layout.
+DG_API float *dg_context_step_canvases(dg_context *c, const int32_t *ids, int n, int n_canvases, int use_self_cond,
+                                       float inv_temp, char *err, size_t err_len) {
+    return step_impl(c, ids, n, n_canvases, use_self_cond, inv_temp, NULL, err, err_len);
+}
+
+// Drop finished candidates: of the last step's n_canvases canvases, keep those with keep[k] != 0, moving their logits
+// rows to the front in order, so the next step (self-conditioned) runs on the kept canvases alone.
+DG_API int dg_context_keep_canvases(dg_context *c, const uint8_t *keep, int n_canvases, char *err, size_t err_len) {
+    if (err && err_len) err[0] = 0;
+    if (c->last < 0 || n_canvases < 1 || c->last_rows % n_canvases != 0) {
+        dg_set_err(err, err_len, "keep_canvases needs the last step's %d canvases", n_canvases);
+        return -1;
+    }
+    const size_t row_bytes = sizeof(float) * (size_t)c->model->hp.n_vocab;
+    const size_t canvas_bytes = row_bytes * (size_t)(c->last_rows / n_canvases);
+    struct ggml_tensor *t = c->logits[c->last];
+    float *host = c->logits_host[c->last];
+    char *bytes = host ? (char *)host : (char *)t->data;
+    int kept = 0;
+    for (int k = 0; k < n_canvases; k++) {
+        if (!keep[k]) continue;
+        if (k != kept) memmove(bytes + (size_t)kept * canvas_bytes, bytes + (size_t)k * canvas_bytes, canvas_bytes);
+        kept++;
+    }
+    if (kept == 0) {
+        dg_set_err(err, err_len, "keep_canvases must keep at least one canvas");
+        return -1;
+    }
+    if (host) ggml_backend_tensor_set(t, host, 0, (size_t)kept * canvas_bytes);
+    c->last_rows = kept * (c->last_rows / n_canvases);
+    return kept;
 }
 
 // The same step, timed node by node: seconds[op] += time of each node (GGML_OP_COUNT entries).
 DG_API float *dg_context_step_profiled(dg_context *c, const int32_t *ids, int n, int use_self_cond, float inv_temp,
                                        double *seconds, char *err, size_t err_len) {
-    return step_impl(c, ids, n, use_self_cond, inv_temp, seconds, err, err_len);
+    return step_impl(c, ids, n, 1, use_self_cond, inv_temp, seconds, err, err_len);
 }
 
 // Overwrite "the previous step's raw logits" (rows × n_vocab floats). Written into the buffer the last step did not
 // use, so a view of the last step's logits stays valid until the next step.
 DG_API int dg_context_set_self_cond(dg_context *c, const float *data, int rows, char *err, size_t err_len) {
     if (err && err_len) err[0] = 0;
-    if (rows < 1 || rows > c->model->hp.canvas_length) {
-        dg_set_err(err, err_len, "self-conditioning logits have %d rows; 1..%d allowed", rows,
-                   c->model->hp.canvas_length);
+    const int max_rows = c->max_canvases * c->model->hp.canvas_length;
+    if (rows < 1 || rows > max_rows) {
+        dg_set_err(err, err_len, "self-conditioning logits have %d rows; 1..%d allowed", rows, max_rows);
         return -1;
     }
     const int target = c->last == 0 ? 1 : 0;

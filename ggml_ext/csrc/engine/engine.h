@@ -19,6 +19,7 @@
 #define DG_API __attribute__((visibility("default")))
 #define DG_MAX_LAYERS 512
 #define DG_MAX_CANVAS 4096  // longer canvases cost minutes per step and gigabytes of activations
+#define DG_MAX_CANDIDATES 64  // canvases denoised together in one decoder step (num_canvases)
 #define DG_MAX_DEVICES 17   // the CPU + up to 16 accelerators (ggml's RPC backend allows 16 servers)
 
 // Hyper-parameters as read from the GGUF (mirrored by ctypes in model.py: keep the field order).
@@ -135,6 +136,8 @@ typedef struct dg_context {
     dg_model *model;
     int n_ctx;
     int n_past;
+    int max_canvases;  // candidate canvases one decoder step may hold: their rows follow n_past as scratch
+    int n_slots;       // slots of a full layer's cache: n_ctx + (max_canvases - 1) canvases of scratch
     ggml_backend_t backends[DG_MAX_DEVICES];  // per placement device; [0] = the CPU
     ggml_backend_sched_t sched;                // runs every graph: accelerators first, the CPU last
 
@@ -144,7 +147,7 @@ typedef struct dg_context {
     struct ggml_tensor **v_cache;  // per layer, transposed: [slots, head_dim, n_head_kv]
     int swa_cap;                   // slots of a sliding layer's cache (full layers: n_ctx)
     int swa_base;                  // position held by slot 0 of the sliding caches (full layers: 0)
-    struct ggml_tensor *logits[2]; // ping-pong [n_vocab, canvas_length]
+    struct ggml_tensor *logits[2]; // ping-pong [n_vocab, max_canvases * canvas_length]
     float *logits_host[2];         // host copies when the logits live on an accelerator (else NULL)
     int last;                      // buffer holding the previous step's raw logits, -1 if none
     int last_rows;
@@ -153,6 +156,7 @@ typedef struct dg_context {
     dg_step_graph steps[2][2];
     int steps_n_past;
     int steps_n_rows;
+    int steps_n_canvases;
     double *profile;  // while a profiled step runs: seconds per op (the scheduler's eval callback adds to it)
     double profile_t0;
 } dg_context;

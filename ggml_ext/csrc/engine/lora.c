@@ -84,7 +84,6 @@ static struct ggml_tensor *base_of(const dg_model *m, int unit, int slot) {
     }
 }
 
-
 // Where the folded delta of (unit, pass, slot) lives: NULL for the self-conditioning MLP in the encoder pass
 static dg_lora *dest_of(dg_model *m, int unit, int pass, int slot) {
     if (unit == m->hp.n_layer) return pass == DG_PASS_DECODER ? &m->sc_lora[slot] : NULL;
@@ -94,19 +93,13 @@ static dg_lora *dest_of(dg_model *m, int unit, int pass, int slot) {
 // Pieces of an adapter target on this unit: 0 when the base has no weight for it.
 static int pieces_of(const dg_model *m, int unit, int target, lora_piece out[2]) {
     const int64_t F = m->hp.n_ff_exp;
-    const dg_layer *L = unit < m->hp.n_layer ? &m->layers[unit] : NULL;
-    if (!L) {
-        const struct ggml_tensor *w = base_of(m, unit, target);
-        if (!w) return 0;
-        out[0] = (lora_piece){target, 0, w->ne[1], 0};
-        return 1;
-    }
-    if (target == DG_LORA_GATE_UP_EXPS && !L->gate_up_exps) {
+    const dg_layer *L = unit < m->hp.n_layer ? &m->layers[unit] : NULL;  // NULL: the self-conditioning MLP
+    if (L && target == DG_LORA_GATE_UP_EXPS && !L->gate_up_exps) {
         out[0] = (lora_piece){DG_LORA_GATE_EXPS, 0, F, 0};
         out[1] = (lora_piece){DG_LORA_UP_EXPS, F, F, 0};
         return 2;
     }
-    if ((target == DG_LORA_GATE_EXPS || target == DG_LORA_UP_EXPS) && L->gate_up_exps) {
+    if (L && (target == DG_LORA_GATE_EXPS || target == DG_LORA_UP_EXPS) && L->gate_up_exps) {
         out[0] = (lora_piece){DG_LORA_GATE_UP_EXPS, 0, F, target == DG_LORA_GATE_EXPS ? 0 : F};
         return 1;
     }
@@ -169,7 +162,9 @@ static bool key_string_is(const lora_file *f, const char *key, const char *want,
     }
     const char *v = gguf_get_val_str(f->gguf, id);
     if (strcmp(v, want) != 0) {
-        dg_set_err(err, err_len, "not a LoRA adapter for this model: %s is '%.64s', expected '%s'", key, v, want);
+        const bool arch = strcmp(key, "general.architecture") == 0;
+        dg_set_err(err, err_len, "%s: %s is '%.64s', expected '%s'",
+                   arch ? "the adapter was made for another architecture" : "not a LoRA adapter", key, v, want);
         return false;
     }
     return true;
@@ -219,6 +214,7 @@ static bool parse_name(const char *name, int n_layer, int *il, int *target, int 
         if (strncmp(name, SCOPE_PREFIX[s], n) == 0) {
             *scope = s;
             name += n;
+            break;
         }
     }
     size_t len;
@@ -230,7 +226,7 @@ static bool parse_name(const char *name, int n_layer, int *il, int *target, int 
     name += 4;
     int layer = 0, digits = 0;
     while (*name >= '0' && *name <= '9' && digits < 4) layer = layer * 10 + (*name++ - '0'), digits++;
-    if (digits == 0 || *name != '.' || layer >= n_layer) return false;
+    if (digits == 0 || *name != '.' || layer >= n_layer || (digits > 1 && name[-digits] == '0')) return false;
     name++;
     *il = layer;
     return strip_factor_suffix(name, &len, is_b) && (*target = target_named(TARGET_NAMES, name, len)) >= 0;
@@ -268,6 +264,10 @@ static bool collect_tensors(const dg_model *m, lora_file *f, char *err, size_t e
             return false;
         }
         lora_pair *p = pair_at(f, il, target, scope);
+        if (is_b ? p->b != NULL : p->a != NULL) {  // another spelling of a name already seen
+            dg_set_err(err, err_len, "adapter tensor '%s' duplicates another tensor's name", name);
+            return false;
+        }
         if (is_b) {
             p->b = t;
             p->b_data = data + gguf_get_tensor_offset(f->gguf, i);
@@ -290,9 +290,15 @@ static bool check_pairs(const dg_model *m, const lora_file *f, char *err, size_t
             for (int scope = 0; scope < SCOPES; scope++) {
                 const lora_pair *p = pair_at(f, il, target, scope);
                 if (!p->a && !p->b) continue;
+                const lora_pair *both = pair_at(f, il, target, 0);
                 char name[96];
                 if (il == m->hp.n_layer) snprintf(name, sizeof(name), "%s%s", SCOPE_PREFIX[scope], SELF_COND_NAMES[target]);
                 else snprintf(name, sizeof(name), "%sblk.%d.%s", SCOPE_PREFIX[scope], il, TARGET_NAMES[target]);
+                if (scope != 0 && (both->a || both->b)) {
+                    dg_set_err(err, err_len, "the adapter has both %s.* and %s.*: use one form per weight",
+                               name + strlen(SCOPE_PREFIX[scope]), name);
+                    return false;
+                }
                 if (!p->a || !p->b) {
                     dg_set_err(err, err_len, "adapter tensor '%s.%s' is missing (LoRA factors come in pairs)", name,
                                p->a ? "lora_b" : "lora_a");
@@ -353,7 +359,32 @@ static bool open_adapter(const dg_model *m, lora_file *f, const char *path, floa
 // scopes whose pairs apply in a pass: both-pass pairs and the pass's own
 static bool scope_applies(int scope, int pass) { return scope == 0 || scope == 1 + pass; }
 
-// Total rank of the folded delta of (il, pass, slot) over all files; with fill, also write the factors.
+// One factor row as F32 (ggml's dequantizer; F32 rows copied)
+static void row_to_f32(const struct ggml_tensor *t, const uint8_t *src, float *dst, int64_t n) {
+    if (t->type == GGML_TYPE_F32) memcpy(dst, src, sizeof(float) * (size_t)n);
+    else ggml_get_type_traits(t->type)->to_float(src, dst, n);
+}
+
+// Write one pair's piece into the folded delta at rank columns [r0, r0 + r): A's rows as they are, B's rows of the
+// piece times the pair's scale s (tmp: r floats).
+static void copy_piece(const lora_pair *p, const lora_piece *piece, const dg_lora *dst, int64_t r0, float s,
+                       float *tmp) {
+    const int64_t r = p->a->ne[1], n_in = dst->a->ne[0], R = dst->a->ne[1], n_out = dst->b->ne[1];
+    for (int64_t e = 0; e < dst->a->ne[2]; e++) {
+        for (int64_t j = 0; j < r; j++) {
+            float *row = (float *)dst->a->data + ((size_t)e * R + (size_t)(r0 + j)) * n_in;
+            row_to_f32(p->a, p->a_data + j * p->a->nb[1] + e * p->a->nb[2], row, n_in);
+        }
+        for (int64_t o = 0; o < piece->rows; o++) {
+            row_to_f32(p->b, p->b_data + (piece->src_row + o) * p->b->nb[1] + e * p->b->nb[2], tmp, r);
+            float *row = (float *)dst->b->data + ((size_t)e * n_out + (size_t)(piece->dst_row + o)) * R + r0;
+            for (int64_t j = 0; j < r; j++) row[j] = tmp[j] * s;
+        }
+    }
+}
+
+// Total rank of the folded delta of (unit, pass, slot) over all files, in file, target, scope order; with dst, also
+// write the factors there.
 static int64_t fold(dg_model *m, const lora_file *files, int n_files, int il, int pass, int slot, const dg_lora *dst,
                     float *tmp) {
     if (!dest_of(m, il, pass, slot)) return 0;
@@ -368,28 +399,7 @@ static int64_t fold(dg_model *m, const lora_file *files, int n_files, int il, in
                 const int64_t r = p->a->ne[1];
                 for (int k = 0; k < np; k++) {
                     if (pieces[k].slot != slot) continue;
-                    if (dst) {
-                        const float s = files[fi].alpha / (float)r * files[fi].scale;
-                        const int64_t n_in = dst->a->ne[0], R = dst->a->ne[1], n_out = dst->b->ne[1];
-                        const ggml_to_float_t a_row = ggml_get_type_traits(p->a->type)->to_float;
-                        const ggml_to_float_t b_row = ggml_get_type_traits(p->b->type)->to_float;
-                        for (int64_t e = 0; e < dst->a->ne[2]; e++) {
-                            for (int64_t j = 0; j < r; j++) {
-                                float *row = (float *)dst->a->data + ((size_t)e * R + (size_t)(r0 + j)) * n_in;
-                                const uint8_t *src = p->a_data + j * p->a->nb[1] + e * p->a->nb[2];
-                                if (p->a->type == GGML_TYPE_F32) memcpy(row, src, sizeof(float) * (size_t)n_in);
-                                else a_row(src, row, n_in);
-                            }
-                            for (int64_t o = 0; o < pieces[k].rows; o++) {
-                                const uint8_t *src = p->b_data + (pieces[k].src_row + o) * p->b->nb[1] + e * p->b->nb[2];
-                                if (p->b->type == GGML_TYPE_F32) memcpy(tmp, src, sizeof(float) * (size_t)r);
-                                else b_row(src, tmp, r);
-                                float *row = (float *)dst->b->data +
-                                             ((size_t)e * n_out + (size_t)(pieces[k].dst_row + o)) * R + r0;
-                                for (int64_t j = 0; j < r; j++) row[j] = tmp[j] * s;
-                            }
-                        }
-                    }
+                    if (dst) copy_piece(p, &pieces[k], dst, r0, files[fi].alpha / (float)r * files[fi].scale, tmp);
                     r0 += r;
                 }
             }
