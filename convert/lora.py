@@ -45,6 +45,7 @@ SAFETENSORS_TO_GGML = {"F32": T.F32, "F16": T.F16, "BF16": T.BF16}
 _LORA_NAME = re.compile(r"(?:(enc|dec)\.)?(.+)\.lora_(a|b)")
 _PEFT_KEY = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.lora_([AB])\.weight")
 _BLOCK_TARGET = re.compile(r"blk\.(\d+)\.(.+)")
+_MODULE_PATTERN = re.compile(r"[A-Za-z0-9_.]{1,200}")
 # PEFT config keys of features whose saved weights mean something this converter cannot express.
 _REFUSED_SETTINGS = {
     "use_dora": "DoRA adapters (use_dora) are not supported",
@@ -186,13 +187,13 @@ def check_against_base(header: LoraHeader, base_architecture: str, base_tensors:
 
 def read_lora_header(path: Path) -> LoraHeader:
     """Read and check a GGUF LoRA file's header (data offsets included: a truncated file is refused)."""
-    metadata, tensors, _ = _read_gguf(Path(path))
+    metadata, tensors = _read_gguf(Path(path))
     return lora_header_from(metadata, ((t.name, t.ne, t.type_name) for t in tensors))
 
 
 def read_base_tensors(path: Path) -> tuple[str, dict[str, tuple[int, ...]]]:
     """A base GGUF's architecture and tensor shapes (ggml ne)."""
-    metadata, tensors, _ = _read_gguf(Path(path))
+    metadata, tensors = _read_gguf(Path(path))
     if metadata.get("general.type", "model") != "model":
         raise LoraError(f"{Path(path).name} is not a base model (general.type {metadata.get('general.type')!r})")
     return str(metadata.get("general.architecture", "")), {t.name: t.ne for t in tensors}
@@ -205,7 +206,7 @@ class _GGUFTensor:
     type_name: str
 
 
-def _read_gguf(path: Path) -> tuple[dict[str, Any], list[_GGUFTensor], int]:
+def _read_gguf(path: Path) -> tuple[dict[str, Any], list[_GGUFTensor]]:
     from gguf import GGUFReader
 
     try:
@@ -224,7 +225,7 @@ def _read_gguf(path: Path) -> tuple[dict[str, Any], list[_GGUFTensor], int]:
         raise LoraError(f"cannot read {path.name}: {exc.strerror or exc}") from None
     except Exception as exc:  # noqa: BLE001 (gguf-py raises many types on malformed input)
         raise LoraError(f"{path.name} is not a valid GGUF file ({exc.__class__.__name__}: {exc})"[:300]) from None
-    return metadata, tensors, size
+    return metadata, tensors
 
 
 def _field_value(f) -> Any:
@@ -299,6 +300,11 @@ def load_peft_settings(folder: Path) -> PeftSettings:
         raise LoraError(f"{CONFIG_FILE}: rank_pattern must map patterns to positive integers")
     if not isinstance(alphas, dict) or not all(_positive_number(v) for v in alphas.values()):
         raise LoraError(f"{CONFIG_FILE}: alpha_pattern must map patterns to positive numbers")
+    for key in (*ranks, *alphas):
+        # PEFT reads these keys as regular expressions; from an untrusted file only module names (no backtracking)
+        if not _MODULE_PATTERN.fullmatch(key):
+            raise LoraError(f"{CONFIG_FILE}: pattern {key[:80]!r} is not a module name (regular expressions in "
+                            "rank_pattern / alpha_pattern are not supported)")
     use_rslora = bool(config.get("use_rslora"))
     if use_rslora and (ranks or alphas):
         raise LoraError("use_rslora together with rank_pattern or alpha_pattern is not supported (PEFT refuses it too)")
@@ -383,6 +389,8 @@ def _plan_pairs(settings: PeftSettings, entries: Mapping[str, TensorEntry]) -> t
             raise LoraError(f"adapter tensor {key!r} has dtype {entry.dtype}; only F32, F16 and BF16 are supported")
         raw, half = match.group(1), match.group(2)
         module = raw.replace(".base_layer", "")
+        if module.startswith(("decoder.", "encoder.")):  # an adapter made on DiffusionGemmaModel (no LM head)
+            module = "model." + module
         wrapped.setdefault(raw, _Wrapped(module, raw.count(".base_layer"))).halves[half] = entry
     if not wrapped:
         raise LoraError(f"{WEIGHTS_FILE} holds no LoRA weights")
@@ -428,6 +436,8 @@ def _expert_depths(settings: PeftSettings, wrapped: Mapping[str, _Wrapped], modu
 
 
 def _plan_one(settings: PeftSettings, w: _Wrapped, expert_depths: Mapping[int, str]) -> PlannedPair:
+    if w.module == "lm_head":
+        raise LoraError("LoRA on the output head (lm_head, tied to the embedding) is not supported")
     if w.module.startswith(DECODER):
         pass_name, decoder_module = "dec", w.module
     elif w.module.startswith(ENCODER):
@@ -445,8 +455,8 @@ def _plan_one(settings: PeftSettings, w: _Wrapped, expert_depths: Mapping[int, s
     if pass_name == "enc" and target in DECODER_ONLY_TARGETS:
         raise LoraError(f"the adapter adapts {w.module!r}, which the encoder does not have")
     a, b = w.halves["A"], w.halves["B"]
-    if len(a.shape) != 2 or len(b.shape) != 2:
-        raise LoraError(f"{key}: lora_A {list(a.shape)} and lora_B {list(b.shape)} must be matrices")
+    if len(a.shape) != 2 or len(b.shape) != 2 or 0 in a.shape or 0 in b.shape:
+        raise LoraError(f"{key}: lora_A {list(a.shape)} and lora_B {list(b.shape)} must be non-empty matrices")
     r = settings.rank_of(key)
     n_experts = 0
     if expert_depths:

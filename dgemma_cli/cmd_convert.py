@@ -20,8 +20,9 @@ def convert(
     lora: Optional[Path] = typer.Option(None, "--lora", help="convert this PEFT LoRA adapter folder instead"),
     base: Optional[Path] = typer.Option(None, "--base", help="with --lora: check the adapter against this base GGUF"),
 ) -> None:
-    """Convert a DiffusionGemma checkpoint to GGUF (llama.cpp PR #24423 / Unsloth layout), or a PEFT LoRA adapter
-    to a GGUF LoRA file (--lora)."""
+    """Convert a DiffusionGemma checkpoint to GGUF (llama.cpp PR #24423 / Unsloth layout).
+
+    With --lora: a PEFT LoRA adapter folder to a GGUF LoRA file (docs/gguf.md, LoRA adapters)."""
     from dgemma_convert import convert as run_conversion
     from dgemma_convert.errors import ConvertError
 

@@ -228,10 +228,11 @@ class BaseShapes:
 
     architecture: str
     tensors: dict[str, tuple[int, ...]]
+    path: Path | None = None  # the base GGUF, for the engine's own adapter check
 
     @classmethod
-    def of(cls, info: GGUFInfo) -> "BaseShapes":
-        return cls(info.architecture, {t.name: t.shape for t in info.tensors})
+    def of(cls, info: GGUFInfo, path: Path | None = None) -> "BaseShapes":
+        return cls(info.architecture, {t.name: t.shape for t in info.tensors}, path)
 
 
 def is_peft_folder(folder: Path) -> bool:
@@ -266,7 +267,19 @@ def validated_adapter(path: Path, label: str, base: BaseShapes | None) -> GGUFIn
             check_against_base(header, base.architecture, base.tensors)
     except LoraError as exc:
         raise CreateError(f"invalid adapter {label}: {exc}") from None
+    if base is not None and base.path is not None:
+        _check_adapter_loadable(base.path, path, label)
     return info
+
+
+def _check_adapter_loadable(model: Path, adapter: Path, label: str) -> None:
+    """The engine's own checks of loading this adapter onto this model (nothing allocated): what passes loads."""
+    from dgemma_engine.model import Model
+
+    try:
+        Model.check_adapter(model, adapter)
+    except EngineError as exc:
+        raise CreateError(f"invalid adapter {label}: {exc}") from None
 
 
 def check_adapter_folder(source: AdapterSource) -> None:
@@ -406,7 +419,7 @@ def _create_model(name: ModelName | str, modelfile: Modelfile, store: Store, bas
         if local is not None:
             gguf, info = yield from _local_gguf(local, quant, work)
             # adapters are checked (and converted) before the weights enter the store: a bad one leaves nothing
-            adapter_files = yield from prepare_adapters(adapters, BaseShapes.of(info), work)
+            adapter_files = yield from prepare_adapters(adapters, BaseShapes.of(info, gguf), work)
             base = yield from _import_local(store, gguf, info, local.name)
         else:
             base = yield from _from_model(store, ModelName.parse(source), quant)  # not a path: a model name
@@ -455,7 +468,7 @@ def _import_local(store: Store, gguf: Path, info: GGUFInfo, from_: str) -> Itera
     config = {"model_format": "gguf", "model_family": ARCH, "model_families": [ARCH],
               "model_type": human_number(info.parameter_count), "file_type": info.file_type,
               "architecture": "amd64", "os": "linux"}
-    return _Base([layer], config, sources={layer.digest: gguf}, shapes=BaseShapes.of(info))
+    return _Base([layer], config, sources={layer.digest: gguf}, shapes=BaseShapes.of(info, gguf))
 
 
 def _from_model(store: Store, parent_name: ModelName, quant: str | None) -> Iterator[dict[str, Any]]:
@@ -484,7 +497,7 @@ def _from_model(store: Store, parent_name: ModelName, quant: str | None) -> Iter
     shapes = None
     if parent.gguf_path is not None and parent.gguf_path.is_file():
         try:
-            shapes = BaseShapes.of(read_gguf_info(parent.gguf_path))
+            shapes = BaseShapes.of(read_gguf_info(parent.gguf_path), parent.gguf_path)
         except GGUFError:
             shapes = None
     return _Base(layers, config, dict(parent.parameters), list(parent.messages), list(parent.license),

@@ -178,6 +178,7 @@ def test_rslora_and_alpha_pattern_keep_peft_scales(tmp_path):
     ({"peft_type": "LOHA"}, "only LoRA adapters are supported"),
     ({"lora_alpha": 0}, "lora_alpha must be a positive number"),
     ({"use_rslora": True, "alpha_pattern": {"q_proj": 2}}, "use_rslora together with"),
+    ({"rank_pattern": {"(a+)+$": 8}}, "is not a module name"),
 ])
 def test_unsupported_peft_adapters_are_refused(tmp_path, changes, message):
     with pytest.raises(LoraError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -258,6 +259,16 @@ def test_show_on_a_public_bind_prints_no_adapter_paths(tmp_path, base, lora_gguf
     assert "FROM m:latest" in show.modelfile and len(show.adapters) == 1
 
 
+def test_an_unprefixed_llama_cpp_style_adapter_is_accepted(tmp_path, base):
+    env = cli_env(tmp_path)
+    adapter = write_lora(tmp_path / "both-passes.gguf", {**q_pair(name="blk.0.attn_q.weight"),
+                                                         **q_pair(name="blk.1.ffn_up.weight", n_out=96)})
+    (tmp_path / "Modelfile").write_text(f"FROM {base}\nADAPTER ./both-passes.gguf\n")
+    code, _, err = in_process(env, "create", "m", "-f", str(tmp_path / "Modelfile"))
+    assert code == 0, err
+    assert Store(tmp_path / "store").resolve("m").adapters[0].read_bytes() == adapter.read_bytes()
+
+
 def test_copy_and_rm_keep_adapter_blobs_consistent(tmp_path, base, lora_gguf):
     env = cli_env(tmp_path)
     (tmp_path / "Modelfile").write_text(f"FROM {base}\nADAPTER {lora_gguf}\n")
@@ -329,6 +340,8 @@ def bad_gguf_adapter(kind: str, tmp_path: Path, base: Path, lora_gguf: Path) -> 
     if kind == "not-a-target":
         return write_lora(path, {"blk.0.attn_norm.weight.lora_a": np.ones((4, 64)),
                                  "blk.0.attn_norm.weight.lora_b": np.ones((64, 4))})
+    if kind == "both-forms":
+        return write_lora(path, {**q_pair(), **q_pair(name="blk.0.attn_q.weight")})
     if kind == "lying-alpha":
         return write_lora(path, q_pair(), alpha="eight")
     if kind == "lying-type":
@@ -356,6 +369,7 @@ GGUF_CASES = {
     "missing-tensor": "the adapter lacks tensor dec.blk.0.attn_q.weight.lora_b",
     "not-in-base": "the adapter adapts blk.9.attn_q.weight, which the base model does not have",
     "not-a-target": "not a weight LoRA can target",
+    "both-forms": "the adapter has both blk.0.attn_q.weight.* and dec.blk.0.attn_q.weight.*",
     "lying-alpha": "adapter.lora.alpha must be a positive float32",
     "lying-type": "adapter.type is 'ia3'",
     "truncated": "not a GGUF LoRA file (invalid GGUF",

@@ -142,7 +142,7 @@ class EngineRunner:
                                 name=f"model '{local_model.name}'" if getattr(local_model, "name", None) else None,
                                 num_gpu=int(num_gpu) if isinstance(num_gpu, int) else None,
                                 num_cpu_moe=int(num_cpu_moe) if isinstance(num_cpu_moe, int) else 0,
-                                **({"adapters": adapters} if adapters else {}))
+                                adapters=adapters)
         try:
             hparams = self.model.hparams
             self.metadata = dict(self.model.metadata)

@@ -257,7 +257,7 @@ class Services:
                 path = self.store.resolve(ModelName.parse(from_)).gguf_path
             except DgemmaError:
                 return None  # not here yet (pulled by create): checked there
-        return BaseShapes.of(read_gguf_info(path)) if path is not None and path.is_file() else None
+        return BaseShapes.of(read_gguf_info(path), path) if path is not None and path.is_file() else None
 
     def adapter_sources(self, adapters: dict[str, str], work: Path) -> list[Any]:
         """`adapters` ({file name: digest}) as ADAPTER sources: each GGUF LoRA blob, or one PEFT folder made in `work`
