@@ -29,8 +29,8 @@ from dgemma_engine.errors import EngineError
 log = logging.getLogger("dgemma.engine")
 
 _ERR_LEN = 1024
-AdapterSpec = Union[str, os.PathLike, tuple]  # a path, or (path, scale): see dgemma_engine.adapters
 _MAX_LAYERS = 512  # DG_MAX_LAYERS in engine.h
+AdapterSpec = Union[str, os.PathLike, tuple]  # a path, or (path, scale): see dgemma_engine.adapters
 
 
 class _HParamsC(ctypes.Structure):
