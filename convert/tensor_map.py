@@ -45,20 +45,75 @@ def _spec(name: str, source: str | None, hf_shape: tuple[int, ...], n_rows: int 
     return TensorSpec(name, source, hf_shape, ne)
 
 
+# The HF -> GGUF name map, written once: the converter's specs and the LoRA converter's target lookup use it.
+# Global tensors: GGUF name -> checkpoint name.
+GLOBAL_SOURCES = {
+    "token_embd.weight": DECODER + "embed_tokens.weight",
+    "output_norm.weight": DECODER + "norm.weight",
+    "self_cond_pre_norm.weight": DECODER + "self_conditioning.pre_norm.weight",
+    "self_cond_gate.weight": DECODER + "self_conditioning.gate_proj.weight",
+    "self_cond_up.weight": DECODER + "self_conditioning.up_proj.weight",
+    "self_cond_down.weight": DECODER + "self_conditioning.down_proj.weight",
+    "output.weight": "lm_head.weight",
+}
+# Block tensors: GGUF name after `blk.N.` -> checkpoint name after `model.decoder.layers.N.`.
+BLOCK_SOURCES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+    "ffn_down_exps.weight": "experts.down_proj",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "layer_output_scale.weight": "layer_scalar",
+}
+_BLOCK_SOURCE = re.compile(re.escape(DECODER) + r"layers\.(\d+)\.(.+)")
+_GGUF_OF_GLOBAL = {source: name for name, source in GLOBAL_SOURCES.items()}
+_GGUF_OF_BLOCK = {source: name for name, source in BLOCK_SOURCES.items()}
+
+
+def gguf_name_of_source(source: str) -> str | None:
+    """The GGUF name of a decoder checkpoint tensor (`model.decoder.layers.3.self_attn.q_proj.weight` ->
+    `blk.3.attn_q.weight`), None for a name the layout does not have."""
+    if source in _GGUF_OF_GLOBAL:
+        return _GGUF_OF_GLOBAL[source]
+    match = _BLOCK_SOURCE.fullmatch(source)
+    if match is None or match.group(2) not in _GGUF_OF_BLOCK:
+        return None
+    return f"blk.{int(match.group(1))}.{_GGUF_OF_BLOCK[match.group(2)]}"
+
+
 def _global_specs(cfg: ModelConfig, n_tokens: int) -> list[TensorSpec]:
     H, FF = cfg.n_embd, cfg.n_ff
-    sc = DECODER + "self_conditioning."
+
+    def g(name: str, hf_shape: tuple[int, ...], n_rows: int | None = None) -> TensorSpec:
+        return _spec(name, GLOBAL_SOURCES[name], hf_shape, n_rows)
+
     specs = [
-        _spec("token_embd.weight", DECODER + "embed_tokens.weight", (cfg.n_vocab, H), n_rows=n_tokens),
-        _spec("output_norm.weight", DECODER + "norm.weight", (H,)),
+        g("token_embd.weight", (cfg.n_vocab, H), n_rows=n_tokens),
+        g("output_norm.weight", (H,)),
         _spec("rope_freqs.weight", None, (cfg.head_dim_full // 2,)),
-        _spec("self_cond_pre_norm.weight", sc + "pre_norm.weight", (H,)),
-        _spec("self_cond_gate.weight", sc + "gate_proj.weight", (FF, H)),
-        _spec("self_cond_up.weight", sc + "up_proj.weight", (FF, H)),
-        _spec("self_cond_down.weight", sc + "down_proj.weight", (H, FF)),
+        g("self_cond_pre_norm.weight", (H,)),
+        g("self_cond_gate.weight", (FF, H)),
+        g("self_cond_up.weight", (FF, H)),
+        g("self_cond_down.weight", (H, FF)),
     ]
     if not cfg.tie_word_embeddings:  # untied head (not the release): written, and optional for loaders
-        specs.append(_spec("output.weight", "lm_head.weight", (cfg.n_vocab, H), n_rows=n_tokens))
+        specs.append(g("output.weight", (cfg.n_vocab, H), n_rows=n_tokens))
     return sorted(specs, key=lambda s: s.name)
 
 
@@ -66,34 +121,36 @@ def _block_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
     layer = cfg.layers[i]
     H, hd, nH, nKV = cfg.n_embd, layer.head_dim, cfg.n_head, layer.n_kv_heads
     E, FF, FFe = cfg.n_expert, cfg.n_ff, cfg.n_ff_exp
-    src = f"{DECODER}layers.{i}."
-    blk = f"blk.{i}."
+
+    def b(name: str, hf_shape: tuple[int, ...]) -> TensorSpec:
+        return _spec(f"blk.{i}.{name}", f"{DECODER}layers.{i}.{BLOCK_SOURCES[name]}", hf_shape)
+
     specs = [
-        _spec(blk + "attn_norm.weight", src + "input_layernorm.weight", (H,)),
-        _spec(blk + "attn_q.weight", src + "self_attn.q_proj.weight", (nH * hd, H)),
-        _spec(blk + "attn_q_norm.weight", src + "self_attn.q_norm.weight", (hd,)),
-        _spec(blk + "attn_k.weight", src + "self_attn.k_proj.weight", (nKV * hd, H)),
-        _spec(blk + "attn_k_norm.weight", src + "self_attn.k_norm.weight", (hd,)),
-        _spec(blk + "attn_output.weight", src + "self_attn.o_proj.weight", (H, nH * hd)),
-        _spec(blk + "post_attention_norm.weight", src + "post_attention_layernorm.weight", (H,)),
-        _spec(blk + "ffn_norm.weight", src + "pre_feedforward_layernorm.weight", (H,)),
-        _spec(blk + "ffn_gate.weight", src + "mlp.gate_proj.weight", (FF, H)),
-        _spec(blk + "ffn_up.weight", src + "mlp.up_proj.weight", (FF, H)),
-        _spec(blk + "ffn_down.weight", src + "mlp.down_proj.weight", (H, FF)),
-        _spec(blk + "post_ffw_norm_1.weight", src + "post_feedforward_layernorm_1.weight", (H,)),
-        _spec(blk + "ffn_gate_inp.weight", src + "router.proj.weight", (E, H)),
-        _spec(blk + "ffn_gate_inp.scale", src + "router.scale", (H,)),
-        _spec(blk + "pre_ffw_norm_2.weight", src + "pre_feedforward_layernorm_2.weight", (H,)),
-        _spec(blk + "ffn_gate_up_exps.weight", src + "experts.gate_up_proj", (E, 2 * FFe, H)),
-        _spec(blk + "ffn_down_exps.weight", src + "experts.down_proj", (E, H, FFe)),
-        _spec(blk + "ffn_down_exps.scale", src + "router.per_expert_scale", (E,)),
-        _spec(blk + "post_ffw_norm_2.weight", src + "post_feedforward_layernorm_2.weight", (H,)),
-        _spec(blk + "post_ffw_norm.weight", src + "post_feedforward_layernorm.weight", (H,)),
-        _spec(blk + "layer_output_scale.weight", src + "layer_scalar", (1,)),
-        _spec(blk + "enc_layer_output_scale.weight", f"model.encoder.language_model.layers.{i}.layer_scalar", (1,)),
+        b("attn_norm.weight", (H,)),
+        b("attn_q.weight", (nH * hd, H)),
+        b("attn_q_norm.weight", (hd,)),
+        b("attn_k.weight", (nKV * hd, H)),
+        b("attn_k_norm.weight", (hd,)),
+        b("attn_output.weight", (H, nH * hd)),
+        b("post_attention_norm.weight", (H,)),
+        b("ffn_norm.weight", (H,)),
+        b("ffn_gate.weight", (FF, H)),
+        b("ffn_up.weight", (FF, H)),
+        b("ffn_down.weight", (H, FF)),
+        b("post_ffw_norm_1.weight", (H,)),
+        b("ffn_gate_inp.weight", (E, H)),
+        b("ffn_gate_inp.scale", (H,)),
+        b("pre_ffw_norm_2.weight", (H,)),
+        b("ffn_gate_up_exps.weight", (E, 2 * FFe, H)),
+        b("ffn_down_exps.weight", (E, H, FFe)),
+        b("ffn_down_exps.scale", (E,)),
+        b("post_ffw_norm_2.weight", (H,)),
+        b("post_ffw_norm.weight", (H,)),
+        b("layer_output_scale.weight", (1,)),
+        _spec(f"blk.{i}.enc_layer_output_scale.weight", f"model.encoder.language_model.layers.{i}.layer_scalar", (1,)),
     ]
     if layer.sliding:  # full layers have no v_proj: V is the raw K projection there
-        specs.append(_spec(blk + "attn_v.weight", src + "self_attn.v_proj.weight", (nKV * hd, H)))
+        specs.append(b("attn_v.weight", (nKV * hd, H)))
     return sorted(specs, key=lambda s: s.name)
 
 

@@ -1,4 +1,5 @@
-"""`dgemma convert HF_DIR --outfile OUT.gguf --outtype TYPE`: HF checkpoint folder -> GGUF (dgemma_convert)."""
+"""`dgemma convert HF_DIR --outfile OUT.gguf --outtype TYPE`: HF checkpoint folder -> GGUF (dgemma_convert);
+`dgemma convert --lora PEFT_DIR --outfile OUT.gguf [--base BASE.gguf]`: PEFT adapter -> GGUF LoRA (docs/gguf.md#lora-adapters)."""
 from __future__ import annotations
 
 import signal
@@ -12,14 +13,28 @@ OUTTYPES = "f32|f16|bf16|q8_0|q4_0|q4_k_m|q5_k_m|q6_k"
 
 
 def convert(
-    hf_dir: Path = typer.Argument(..., help="Hugging Face checkpoint folder"),
+    hf_dir: Optional[Path] = typer.Argument(None, help="Hugging Face checkpoint folder"),
     outfile: Path = typer.Option(..., "--outfile", "-o", help="output .gguf path"),
     outtype: str = typer.Option("bf16", "--outtype", help=OUTTYPES),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="quantizer threads (default: all cores)"),
+    lora: Optional[Path] = typer.Option(None, "--lora", help="convert this PEFT LoRA adapter folder instead"),
+    base: Optional[Path] = typer.Option(None, "--base", help="with --lora: check the adapter against this base GGUF"),
 ) -> None:
-    """Convert a DiffusionGemma checkpoint to GGUF (llama.cpp PR #24423 / Unsloth layout)."""
-    from dgemma_convert import convert as run_conversion
+    """Convert a DiffusionGemma checkpoint to GGUF (llama.cpp PR #24423 / Unsloth layout).
 
+    With --lora: a PEFT LoRA adapter folder to a GGUF LoRA file (docs/gguf.md, LoRA adapters)."""
+    from dgemma_convert import convert as run_conversion
+    from dgemma_convert.errors import ConvertError
+
+    if lora is not None:
+        if hf_dir is not None:
+            raise ConvertError("give either a checkpoint folder or --lora, not both")
+        convert_adapter(lora, outfile, base)
+        return
+    if hf_dir is None:
+        raise ConvertError("missing the checkpoint folder (or --lora PEFT_DIR)")
+    if base is not None:
+        raise ConvertError("--base goes with --lora")
     # a terminated conversion unwinds like an interrupted one: the temporary output file is removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     interactive = sys.stderr.isatty()
@@ -28,6 +43,17 @@ def convert(
     if interactive:
         size_gib = result.nbytes / 2**30
         print(f"wrote {result.path} ({result.n_tensors} tensors, {size_gib:.2f} GiB) in {result.seconds:.1f} s",
+              file=sys.stderr)
+
+
+def convert_adapter(peft_dir: Path, outfile: Path, base: Optional[Path]) -> None:
+    from dgemma_convert.lora import convert_lora
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    result = convert_lora(peft_dir, outfile, base=base)
+    if sys.stderr.isatty():
+        ranks = ", ".join(str(r) for r in result.ranks)
+        print(f"wrote {result.path} ({result.n_pairs} adapted weights, rank {ranks}, {result.nbytes / 2**20:.1f} MiB)",
               file=sys.stderr)
 
 

@@ -1,6 +1,6 @@
 """`dgemma debug ...`: fixed-interface entry points that external checks rely on."""
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -14,6 +14,15 @@ def parse_ids(text: str) -> list[int]:
         raise typer.BadParameter(f"expected comma-separated token ids, got {text!r}") from None
 
 
+LORA_HELP = "LoRA adapter: a GGUF LoRA file or a PEFT adapter folder; PATH:SCALE scales it (default 1); repeatable"
+
+
+def parse_adapters(values: Optional[List[str]]) -> list[tuple[str, float]]:
+    from dgemma_engine.adapters import parse_adapter_arg
+
+    return [parse_adapter_arg(v) for v in values or []]
+
+
 @app.command("logits")
 def logits(
     model: Path = typer.Argument(..., help="GGUF file"),
@@ -23,11 +32,13 @@ def logits(
     sc_temperature: float = typer.Option(1.0, "--sc-temperature", help="temperature applied to --sc-logits"),
     out: Path = typer.Option(..., "--out", help="output .npy, float32 [canvas_len, vocab]"),
     threads: Optional[int] = typer.Option(None, "--threads"),
+    lora: Optional[List[str]] = typer.Option(None, "--lora", help=LORA_HELP),
 ) -> None:
     """Write the softcapped decoder logits for one denoising step (prompt encoded first)."""
     from dgemma_engine.debug import debug_logits
 
-    debug_logits(model, parse_ids(prompt_ids), parse_ids(canvas_ids), sc_logits, sc_temperature, out, threads)
+    debug_logits(model, parse_ids(prompt_ids), parse_ids(canvas_ids), sc_logits, sc_temperature, out, threads,
+                 adapters=parse_adapters(lora))
 
 
 @app.command("generate")
@@ -48,6 +59,7 @@ def generate(
     threads: Optional[int] = typer.Option(None, "--threads"),
     num_gpu: Optional[int] = typer.Option(None, "--num-gpu", help="layers on accelerators / RPC devices (-ngl)"),
     num_cpu_moe: int = typer.Option(0, "--num-cpu-moe", help="first N layers keep their experts on the CPU"),
+    lora: Optional[List[str]] = typer.Option(None, "--lora", help=LORA_HELP),
 ) -> None:
     """Print JSON {"sequence": [...], "steps_per_canvas": [...]} for one generation."""
     from dgemma_engine.debug import debug_generate
@@ -57,4 +69,5 @@ def generate(
         t_min=t_min, entropy_bound=entropy_bound, confidence_threshold=confidence_threshold,
         stability_threshold=stability_threshold, threads=threads, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe,
         num_canvases=num_canvases,
+        adapters=parse_adapters(lora),
     )

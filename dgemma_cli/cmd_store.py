@@ -78,6 +78,15 @@ def _block(title: str, rows: list[tuple[str, str]]) -> list[str]:
     return [f"  {title}"] + [f"    {k.ljust(width)}    {v}".rstrip() for k, v in rows] + [""]
 
 
+def _adapter_row(adapter: dict[str, Any]) -> tuple[str, str]:
+    """`LoRA <digest 12>    rank 8, alpha 16, 26 weights`."""
+    digest = str(adapter.get("digest", "")).removeprefix("sha256:")[:12]
+    ranks = "/".join(str(r) for r in adapter.get("ranks") or [])
+    alpha = adapter.get("alpha")
+    alpha_text = f"{alpha:g}" if isinstance(alpha, int | float) else "?"
+    return f"LoRA {digest}", f"rank {ranks}, alpha {alpha_text}, {adapter.get('targets', 0)} weights"
+
+
 def _text_rows(text: str | None) -> list[tuple[str, str]]:
     lines = [line for line in (text or "").splitlines() if line.strip()]
     if len(lines) > 2:
@@ -110,6 +119,7 @@ def show_info_text(show: dict[str, Any], verbose: bool = False) -> str:
         ("quantization", details.get("quantization_level") or ""),
     ])
     lines += _block("Capabilities", [(c, "") for c in show.get("capabilities") or []])
+    lines += _block("Adapters", [_adapter_row(a) for a in show.get("adapters") or []])
     param_rows = parameter_rows(show.get("parameters"))
     lines += _block("Diffusion", diffusion_rows(info, {key: _typed(text) for key, text in param_rows}))
     lines += _block("Parameters", param_rows)

@@ -1,9 +1,11 @@
 """`create`: Modelfile -> layers -> manifest (docs/compat.md#modelfile-instructions, #create, #template-policy).
 
 FROM may name a local GGUF file, a folder holding one GGUF, a Hugging Face checkpoint folder (converted on the fly
-with dgemma_convert), or an existing model (pulled first if missing). Every GGUF is validated by gguf_check before
-it enters the store. Layers use Ollama's media types; JSON blobs are canonical so identical inputs give identical
-digests.
+with dgemma_convert), or an existing model (pulled first if missing). ADAPTER names a GGUF LoRA file or a PEFT adapter
+folder (converted to a GGUF LoRA file here, so the store only holds GGUF); each adapter is checked against the base
+before anything is written, and becomes an `adapter` layer after the inherited ones (docs/gguf.md#lora-adapters).
+Every GGUF is validated by gguf_check before it enters the store. Layers use Ollama's media types; JSON blobs are
+canonical so identical inputs give identical digests.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gguf_check import GGUFError, GGUFInfo, check_runnable, read_gguf_info
 from dgemma_cli.modelfile import Modelfile, check_parameter_ranges, quote
 from dgemma_cli.names import ModelName
-from dgemma_cli.store import (CONFIG_MEDIA_TYPE, MEDIA_LICENSE, MEDIA_MESSAGES, MEDIA_MODEL, MEDIA_PARAMS, MEDIA_SYSTEM,
-                              MEDIA_TEMPLATE, Layer, Store, build_manifest, canonical_json)
+from dgemma_cli.store import (CONFIG_MEDIA_TYPE, MEDIA_ADAPTER, MEDIA_LICENSE, MEDIA_MESSAGES, MEDIA_MODEL, MEDIA_PARAMS,
+                              MEDIA_SYSTEM, MEDIA_TEMPLATE, Layer, Store, build_manifest, canonical_json)
 from dgemma_convert.errors import ConvertError
 from dgemma_engine.errors import EngineError
 
@@ -112,6 +114,8 @@ def validated_gguf(path: Path) -> GGUFInfo:
         info = read_gguf_info(path)
     except GGUFError as exc:
         raise CreateError(f"supplied file was not in GGUF format ({exc})") from None
+    if info.metadata.get("general.type") == "adapter":
+        raise CreateError("the model file is a LoRA adapter: name it with ADAPTER and the base model with FROM")
     if info.architecture != ARCH:
         raise CreateError(f'model architecture "{info.architecture or "unknown"}" is not supported by dgemma')
     if "diffusion.canvas_length" not in info.metadata:
@@ -207,6 +211,133 @@ def converter_step(status: str, work: Callable[[ByteCounter], None],
         raise CreateError(f"{status} failed: {message}") from None
 
 
+# ---- ADAPTER ------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AdapterSource:
+    """One ADAPTER: a GGUF LoRA file or a PEFT adapter folder, and the name statuses and errors call it (never a
+    server path)."""
+
+    path: Path
+    label: str
+
+
+@dataclass(frozen=True)
+class BaseShapes:
+    """What an adapter is checked against: the base GGUF's architecture and tensor shapes (ggml ne)."""
+
+    architecture: str
+    tensors: dict[str, tuple[int, ...]]
+    path: Path | None = None  # the base GGUF, for the engine's own adapter check
+
+    @classmethod
+    def of(cls, info: GGUFInfo, path: Path | None = None) -> "BaseShapes":
+        return cls(info.architecture, {t.name: t.shape for t in info.tensors}, path)
+
+
+def is_peft_folder(folder: Path) -> bool:
+    from dgemma_convert.lora import CONFIG_FILE
+
+    return folder.is_dir() and (folder / CONFIG_FILE).is_file()
+
+
+def modelfile_adapters(mf: Modelfile, base_dir: Path, paths_within: Path | None) -> list[AdapterSource]:
+    """The Modelfile's ADAPTERs as sources; a path that does not exist is an error (an adapter is never a name)."""
+    sources = []
+    for value in mf.adapters:
+        path = local_path(value, base_dir, paths_within)
+        if path is None:
+            raise CreateError(f"adapter not found: {value}")
+        sources.append(AdapterSource(path, path.name))
+    return sources
+
+
+def validated_adapter(path: Path, label: str, base: BaseShapes | None) -> GGUFInfo:
+    """A GGUF LoRA file checked as the engine will use it: well-formed GGUF, LoRA header, and (with `base`) every
+    target present in the base with matching shapes."""
+    from dgemma_convert.lora import LoraError, check_against_base, lora_header_from
+
+    try:
+        info = read_gguf_info(path)
+    except GGUFError as exc:
+        raise CreateError(f"invalid adapter {label}: not a GGUF LoRA file ({exc})") from None
+    try:
+        header = lora_header_from(info.metadata, ((t.name, t.shape, t.type_name) for t in info.tensors))
+        if base is not None:
+            check_against_base(header, base.architecture, base.tensors)
+    except LoraError as exc:
+        raise CreateError(f"invalid adapter {label}: {exc}") from None
+    if base is not None and base.path is not None:
+        _check_adapter_loadable(base.path, path, label)
+    return info
+
+
+def _check_adapter_loadable(model: Path, adapter: Path, label: str) -> None:
+    """The engine's own checks of loading this adapter onto this model (nothing allocated): what passes loads."""
+    from dgemma_engine.model import Model
+
+    try:
+        Model.check_adapter(model, adapter)
+    except EngineError as exc:
+        raise CreateError(f"invalid adapter {label}: {exc}") from None
+
+
+def check_adapter_folder(source: AdapterSource) -> None:
+    if not is_peft_folder(source.path):
+        raise CreateError(f"invalid adapter {source.label}: the folder is not a PEFT adapter "
+                          "(adapter_config.json + adapter_model.safetensors)")
+
+
+def check_adapter_plan(source: AdapterSource, base: BaseShapes | None) -> None:
+    """A PEFT adapter folder checked without converting it: its config, its tensors, and their fit to `base`."""
+    from dgemma_convert.lora import LoraError, check_against_base, plan_lora
+
+    check_adapter_folder(source)
+    try:
+        plan, weights = plan_lora(source.path)
+        weights.close()
+        if base is not None:
+            check_against_base(plan.header, base.architecture, base.tensors)
+    except (LoraError, ConvertError) as exc:
+        raise CreateError(f"invalid adapter {source.label}: {str(exc).replace(str(source.path), source.label)}") from None
+
+
+def converted_adapter(source: AdapterSource, out: Path, base: BaseShapes | None) -> Path:
+    """A PEFT adapter folder -> a GGUF LoRA file at `out` (checked against `base` before it is written)."""
+    from dgemma_convert.lora import LoraError, convert_lora
+
+    tensors = (base.architecture, base.tensors) if base is not None else None
+    try:
+        convert_lora(source.path, out, base_tensors=tensors)
+    except (LoraError, ConvertError) as exc:
+        message = str(exc).replace(str(out), out.name).replace(str(source.path), source.label)
+        raise CreateError(f"invalid adapter {source.label}: {message}") from None
+    return out
+
+
+def prepare_adapters(sources: list[AdapterSource], base: BaseShapes | None,
+                     work: Path) -> Iterator[dict[str, Any]]:
+    """Each ADAPTER as a checked GGUF LoRA file (PEFT folders converted into `work`); returns the files."""
+    files = []
+    for index, source in enumerate(sources):
+        path = source.path
+        if path.is_dir():
+            check_adapter_folder(source)
+            yield {"status": "converting adapter"}
+            path = converted_adapter(source, work / f"adapter-{index}.gguf", base)
+        validated_adapter(path, source.label, base)
+        files.append(path)
+    return files
+
+
+def _import_adapters(store: Store, base: "_Base", files: list[Path]) -> Iterator[dict[str, Any]]:
+    for path in files:
+        layer, status = _import_layer(store, path, MEDIA_ADAPTER, None)
+        base.layers.append(layer)
+        base.sources[layer.digest] = path
+        yield status
+
+
 # ---- create --------------------------------------------------------------------------------------------------------
 
 def _import_layer(store: Store, path: Path, media_type: str, from_: str | None) -> tuple[Layer, dict[str, Any]]:
@@ -231,14 +362,16 @@ def _digest_bytes(data: bytes) -> str:
 
 
 def create_model(name: ModelName | str, modelfile: Modelfile, store: Store, base_dir: Path | str,
-                 quantize: str | None = None, paths_within: Path | None = None) -> Iterator[dict[str, Any]]:
+                 quantize: str | None = None, paths_within: Path | None = None,
+                 adapters: list[AdapterSource] | None = None) -> Iterator[dict[str, Any]]:
     """Create `name` from a parsed Modelfile, yielding Ollama's status objects; raises DgemmaError subclasses.
 
-    `base_dir`: folder that relative FROM paths start from (the Modelfile's folder). `paths_within`: if given, local
-    FROM paths are honoured only inside that folder; it defaults to `blobs/` when `base_dir` is the store's blobs
-    folder (the server's call), so a client can never make the server open an arbitrary path."""
+    `base_dir`: folder that relative FROM and ADAPTER paths start from (the Modelfile's folder). `paths_within`: if
+    given, local paths are honoured only inside that folder; it defaults to `blobs/` when `base_dir` is the store's
+    blobs folder (the server's call), so a client can never make the server open an arbitrary path. `adapters`: the
+    ADAPTER sources when the caller resolved them itself (the server's uploaded blobs) instead of `modelfile.adapter`."""
     try:
-        yield from _create_model(name, modelfile, store, base_dir, quantize, paths_within)
+        yield from _create_model(name, modelfile, store, base_dir, quantize, paths_within, adapters)
     except OSError as exc:  # unreadable source, full disk: one line, no paths
         raise CreateError(f"create failed: {exc.strerror or exc.__class__.__name__}") from None
 
@@ -255,16 +388,18 @@ class _Base:
     template: str | None = None
     system: str | None = None
     sources: dict[str, Path] = field(default_factory=dict)  # digest -> file to import again if pruned meanwhile
+    shapes: BaseShapes | None = None  # the weights' tensor shapes, what adapters are checked against
 
 
 def _create_model(name: ModelName | str, modelfile: Modelfile, store: Store, base_dir: Path | str,
-                  quantize: str | None, paths_within: Path | None) -> Iterator[dict[str, Any]]:
+                  quantize: str | None, paths_within: Path | None,
+                  adapters: list[AdapterSource] | None) -> Iterator[dict[str, Any]]:
     model_name = name if isinstance(name, ModelName) else ModelName.parse(name)
     base_dir = Path(base_dir)
     if paths_within is None and base_dir.resolve() == store.blobs_dir.resolve():
         paths_within = store.blobs_dir
-    if modelfile.adapter is not None:
-        raise CreateError("adapters are not supported")
+    if adapters is None:
+        adapters = modelfile_adapters(modelfile, base_dir, paths_within)
     if not modelfile.froms:
         raise CreateError("neither 'from' or 'files' was specified")
     check_parameter_ranges(modelfile.parameters)
@@ -282,14 +417,21 @@ def _create_model(name: ModelName | str, modelfile: Modelfile, store: Store, bas
     local = local_path(source, base_dir, paths_within)
     with store.scratch("create") as work:  # conversions; never inside blobs/, never in $TMPDIR
         if local is not None:
-            base = yield from _from_local(store, local, quant, work)
+            gguf, info = yield from _local_gguf(local, quant, work)
+            # adapters are checked (and converted) before the weights enter the store: a bad one leaves nothing
+            adapter_files = yield from prepare_adapters(adapters, BaseShapes.of(info, gguf), work)
+            base = yield from _import_local(store, gguf, info, local.name)
         else:
             base = yield from _from_model(store, ModelName.parse(source), quant)  # not a path: a model name
+            if adapters and base.shapes is None:
+                raise CreateError(f"model '{source}' has no model layer to apply an adapter to")
+            adapter_files = yield from prepare_adapters(adapters, base.shapes, work)
+        yield from _import_adapters(store, base, adapter_files)
         yield from _write_model(store, model_name, modelfile, base)
 
 
-def _from_local(store: Store, local: Path, quant: str | None, work: Path) -> Iterator[dict[str, Any]]:
-    """A GGUF file, a folder with one GGUF, or a checkpoint folder (converted) -> the model layer."""
+def _local_gguf(local: Path, quant: str | None, work: Path) -> Iterator[dict[str, Any]]:
+    """A GGUF file, a folder with one GGUF, or a checkpoint folder (converted) -> the validated GGUF to import."""
     gguf = local
     if local.is_dir():
         if is_hf_checkpoint(local):
@@ -316,12 +458,17 @@ def _from_local(store: Store, local: Path, quant: str | None, work: Path) -> Ite
         yield from converter_step(status, lambda sink: requantize(src, out, quant.lower(), threads=2, progress=sink),
                                    {str(out): out.name, str(src): src.name, str(work): "."})
         gguf, info = out, validated_gguf(out)
-    layer, status = _import_layer(store, gguf, MEDIA_MODEL, local.name)
+    return gguf, info
+
+
+def _import_local(store: Store, gguf: Path, info: GGUFInfo, from_: str) -> Iterator[dict[str, Any]]:
+    """The model layer of a validated GGUF, and the config it implies."""
+    layer, status = _import_layer(store, gguf, MEDIA_MODEL, from_)
     yield status
     config = {"model_format": "gguf", "model_family": ARCH, "model_families": [ARCH],
               "model_type": human_number(info.parameter_count), "file_type": info.file_type,
               "architecture": "amd64", "os": "linux"}
-    return _Base([layer], config, sources={layer.digest: gguf})
+    return _Base([layer], config, sources={layer.digest: gguf}, shapes=BaseShapes.of(info, gguf))
 
 
 def _from_model(store: Store, parent_name: ModelName, quant: str | None) -> Iterator[dict[str, Any]]:
@@ -347,8 +494,14 @@ def _from_model(store: Store, parent_name: ModelName, quant: str | None) -> Iter
     config = {k: v for k, v in parent.config.items() if k != "template_format"}
     if not config.get("model_family"):
         config.update(model_format="gguf", model_family=ARCH, model_families=[ARCH])
+    shapes = None
+    if parent.gguf_path is not None and parent.gguf_path.is_file():
+        try:
+            shapes = BaseShapes.of(read_gguf_info(parent.gguf_path), parent.gguf_path)
+        except GGUFError:
+            shapes = None
     return _Base(layers, config, dict(parent.parameters), list(parent.messages), list(parent.license),
-                 parent.template, parent.system)
+                 parent.template, parent.system, shapes=shapes)
 
 
 def _write_model(store: Store, name: ModelName, mf: Modelfile, base: _Base) -> Iterator[dict[str, Any]]:

@@ -64,7 +64,7 @@ class Modelfile:
     froms: list[str] = field(default_factory=list)
     template: str | None = None
     system: str | None = None
-    adapter: str | None = None
+    adapters: list[str] = field(default_factory=list)  # every ADAPTER line, applied in order
     licenses: list[str] = field(default_factory=list)
     messages: list[dict[str, str]] = field(default_factory=list)
     parameters: dict[str, Any] = field(default_factory=dict)
@@ -72,6 +72,11 @@ class Modelfile:
     extras: dict[str, str] = field(default_factory=dict)  # RENDERER / PARSER / DRAFT: stored, ignored at inference
     commands: list[Command] = field(default_factory=list, compare=False)
     warnings: list[str] = field(default_factory=list, compare=False)
+
+    @property
+    def adapter(self) -> str | None:
+        """The last ADAPTER (Ollama keeps only that one; dgemma applies all of them, docs/compat.md)."""
+        return self.adapters[-1] if self.adapters else None
 
     @property
     def from_(self) -> str | None:
@@ -266,8 +271,10 @@ def parse_modelfile(data: str | bytes) -> Modelfile:
     for cmd in commands:
         if cmd.name == "model":
             mf.froms.append(cmd.args)
-        elif cmd.name in ("template", "system", "adapter"):
+        elif cmd.name in ("template", "system"):
             setattr(mf, cmd.name, cmd.args)
+        elif cmd.name == "adapter":
+            mf.adapters.append(cmd.args)
         elif cmd.name == "license":
             mf.licenses.append(cmd.args)
         elif cmd.name == "message":
@@ -328,8 +335,7 @@ def format_modelfile(mf: Modelfile, header: str | None = None, from_override: st
         lines += [f"PARAMETER {key} {quote(format_value(v))}" for v in values]
     lines += [f"LICENSE {quote(text)}" for text in mf.licenses]
     lines += [f"MESSAGE {m['role']} {quote(m['content'])}" for m in mf.messages]
-    if mf.adapter is not None:
-        lines.append(f"ADAPTER {quote(mf.adapter)}")
+    lines += [f"ADAPTER {quote(adapter)}" for adapter in mf.adapters]
     if mf.requires is not None:
         lines.append(f"REQUIRES {mf.requires}")
     lines += [f"{k.upper()} {quote(v)}" for k, v in sorted(mf.extras.items())]

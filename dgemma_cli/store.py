@@ -40,6 +40,7 @@ MEDIA_SYSTEM = "application/vnd.ollama.image.system"
 MEDIA_LICENSE = "application/vnd.ollama.image.license"
 MEDIA_PARAMS = "application/vnd.ollama.image.params"
 MEDIA_MESSAGES = "application/vnd.ollama.image.messages"
+MEDIA_ADAPTER = "application/vnd.ollama.image.adapter"  # a GGUF LoRA file (docs/gguf.md#lora-adapters)
 
 MAX_LAYERS = 64
 MAX_LAYER_SIZE = 10**12  # 1 TB
@@ -209,6 +210,7 @@ class LocalModel:
     model_name: ModelName | None = None
     manifest: Manifest | None = None
     modified: float = 0.0
+    adapters: list[Path] = field(default_factory=list)  # GGUF LoRA blobs, applied in manifest order
 
     @property
     def template_format(self) -> str | None:
@@ -541,9 +543,12 @@ class Store:
         manifest = self.read_manifest(name)
         config = self.read_config(manifest)
         gguf_path, template, system, licenses, messages, params = None, None, None, [], [], {}
+        adapters = []
         for layer in manifest.layers:
             if layer.media_type == MEDIA_MODEL and gguf_path is None:
                 gguf_path = self.blob_path(layer.digest)
+            elif layer.media_type == MEDIA_ADAPTER:
+                adapters.append(self.blob_path(layer.digest))
             elif layer.media_type == MEDIA_TEMPLATE:
                 template = self.read_blob_text(layer.digest)
             elif layer.media_type == MEDIA_SYSTEM:
@@ -567,6 +572,7 @@ class Store:
             model_name=name,
             manifest=manifest,
             modified=path.stat().st_mtime if path is not None else 0.0,
+            adapters=adapters,
         )
 
     def copy(self, src: ModelName | str, dst: ModelName | str) -> None:

@@ -95,10 +95,11 @@ def create_request(client: Client, model: str, modelfile: Modelfile, base_dir: P
     A local GGUF (or a folder holding one) is uploaded as is and the server quantizes it if asked; a checkpoint
     folder is converted here, straight to the requested type, so the server only ever receives GGUF blobs."""
     # create.py owns the FROM rules (path vs name, folder scan, checkpoint detection); reuse them, do not fork them.
-    from dgemma_cli.create import CreateError, gguf_in_folder, is_hf_checkpoint, local_path, validated_gguf
+    from dgemma_cli.create import gguf_in_folder, is_hf_checkpoint, local_path, modelfile_adapters, validated_gguf
 
-    if modelfile.adapter is not None:
-        raise CreateError("adapters are not supported")  # the server's answer, without uploading the adapter
+    adapters = modelfile_adapters(modelfile, base_dir, None)
+    for source in adapters:  # a bad adapter fails before anything is converted or uploaded
+        _precheck_adapter(source)
     body: dict[str, Any] = {"model": model}
     source = modelfile.from_ or ""
     local = local_path(source, base_dir, None)
@@ -115,6 +116,8 @@ def create_request(client: Client, model: str, modelfile: Modelfile, base_dir: P
         body["files"] = {gguf.name: ensure_blob(client, gguf, progress)}
         if quantize:
             body["quantize"] = quantize
+    if adapters:
+        body["adapters"] = dict(_uploaded_adapter(client, source, progress) for source in adapters)
     for key, text in (("template", modelfile.template), ("system", modelfile.system), ("requires", modelfile.requires)):
         if text is not None:  # `SYSTEM ""` is a value too (it clears an inherited system message)
             body[key] = text
@@ -126,6 +129,29 @@ def create_request(client: Client, model: str, modelfile: Modelfile, base_dir: P
         if key in modelfile.extras:
             body[key] = modelfile.extras[key]
     return body
+
+
+def _precheck_adapter(source: Any) -> None:
+    """What can be checked without the base (the server checks the rest): spares uploading what it would refuse."""
+    from dgemma_cli.create import check_adapter_plan, validated_adapter
+
+    if source.path.is_dir():
+        check_adapter_plan(source, None)
+    else:
+        validated_adapter(source.path, source.label, None)
+
+
+def _uploaded_adapter(client: Client, source: Any, progress: Progress) -> tuple[str, str]:
+    """(file name, digest) of one ADAPTER on the server: a GGUF LoRA file is uploaded as is, a PEFT folder is
+    converted here first."""
+    from dgemma_cli.create import converted_adapter
+
+    if not source.path.is_dir():
+        return source.path.name, ensure_blob(client, source.path, progress)
+    with Store().scratch("create") as work:
+        progress({"status": "converting adapter"})
+        gguf = converted_adapter(source, work / f"{source.path.name}.gguf", None)
+        return source.path.name, ensure_blob(client, gguf, progress)  # the server's errors name the folder
 
 
 @contextmanager

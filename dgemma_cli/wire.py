@@ -111,6 +111,16 @@ class TensorInfo(WireModel):
     shape: list[int]
 
 
+class AdapterInfo(WireModel):
+    """A LoRA adapter layer of a model (dgemma's addition to `/api/show`; docs/gguf.md#lora-adapters)."""
+
+    digest: str
+    size: int
+    ranks: list[int]
+    alpha: float
+    targets: int  # adapted weights (pairs of lora_a / lora_b)
+
+
 class ShowResponse(WireModel):
     license: str = ""
     modelfile: str
@@ -123,6 +133,7 @@ class ShowResponse(WireModel):
     capabilities: list[str]
     modified_at: str
     tensors: list[TensorInfo] | None = omitted("with `verbose`: every tensor's name, type and shape")
+    adapters: list[AdapterInfo] | None = omitted("the model's LoRA adapters, in the order they apply")
 
 
 class StatusResponse(WireModel):

@@ -62,15 +62,16 @@ def debug_generate(model: str | os.PathLike, prompt_ids: list[int], seed: int = 
                    confidence_threshold: float | None = None, stability_threshold: int | None = None,
                    threads: int | None = None, eos_ids: Sequence[int] | None = None,
                    out: TextIO | None = None, num_gpu: int | None = None, num_cpu_moe: int = 0,
-                   num_canvases: int | None = None) -> dict[str, Any]:
-    """Load the GGUF, generate, print the JSON line to `out` (stdout) and return it as a dict."""
+                   num_canvases: int | None = None, adapters: Sequence = ()) -> dict[str, Any]:
+    """Load the GGUF (with LoRA `adapters` as `Model.load` takes them), generate, print the JSON line to `out`
+    (stdout) and return it as a dict."""
     if rng not in ("torch", "fast"):
         raise EngineError(f"--rng must be 'torch' or 'fast', got {rng!r}")
     if max_new_tokens < 1:
         raise EngineError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if seed < 0:
         raise EngineError(f"--seed must be >= 0, got {seed}")
-    with Model.load(model, threads=threads, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe) as m:
+    with Model.load(model, threads=threads, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe, adapters=adapters) as m:
         params = SamplerParams.from_metadata(
             m.metadata, max_steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
             confidence_threshold=confidence_threshold, stability_threshold=stability_threshold,

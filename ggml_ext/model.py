@@ -1,6 +1,7 @@
 """Python binding of the C engine (`dgemma_engine._engine`, ctypes): load a GGUF, encode, run decoder steps.
 
     m = Model.load("model.gguf")                 # memory-mapped, every tensor validated
+    m = Model.load("model.gguf", adapters=[("lora.gguf", 1.0)])  # LoRA adapters (dgemma_engine.adapters)
     ctx = Context(m, n_ctx=4096)
     ctx.encode(prompt_ids)                       # causal prefill into the K/V cache
     raw = ctx.step(canvas_ids)                   # first step of a canvas: no self-conditioning
@@ -18,6 +19,7 @@ import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence, Union
 
 import numpy as np
 
@@ -28,6 +30,7 @@ log = logging.getLogger("dgemma.engine")
 
 _ERR_LEN = 1024
 _MAX_LAYERS = 512  # DG_MAX_LAYERS in engine.h
+AdapterSpec = Union[str, os.PathLike, tuple]  # a path, or (path, scale): see dgemma_engine.adapters
 
 
 class _HParamsC(ctypes.Structure):
@@ -98,6 +101,10 @@ def _engine() -> ctypes.CDLL:
         "dg_model_file_size": (S, [P]),
         "dg_hparams_size": (S, []),
         "dg_model_check": (I, [C, C, S]),
+        # lora.c: GGUF LoRA adapters (docs/gguf.md#lora-adapters)
+        "dg_model_load_adapters": (I, [P, ctypes.POINTER(C), ctypes.POINTER(F), I, C, S]),
+        "dg_adapter_check": (I, [C, C, C, S]),
+        "dg_model_n_adapters": (I, [P]),
         "dg_context_new_multi": (P, [P, I, I, I, C, S]),
         "dg_context_free": (None, [P]),
         "dg_context_n_past": (I, [P]),
@@ -254,11 +261,13 @@ class Model(_Closeable):
 
     @classmethod
     def load(cls, path: str | os.PathLike, threads: int | None = None, name: str | None = None,
-             num_gpu: int | None = None, num_cpu_moe: int = 0) -> Model:
+             num_gpu: int | None = None, num_cpu_moe: int = 0, adapters: Sequence[AdapterSpec] = ()) -> Model:
         """`name`: what errors call the model (a stored model's name rather than its `sha256-…` blob file).
         `num_gpu`: layers on the accelerators, llama.cpp's -ngl (None or < 0: as many as fit; 0: CPU only);
         `num_cpu_moe`: the first N layers keep their routed experts on the CPU (docs/engine.md#devices). The RPC
-        servers of DGEMMA_RPC are added first."""
+        servers of DGEMMA_RPC are added first. `adapters`: LoRA adapters, each a path or (path, scale): a GGUF
+        LoRA file or a PEFT adapter folder (converted first), applied at run time (docs/gguf.md#lora-adapters)."""
+        from dgemma_engine import adapters as adapter_files
         from dgemma_engine import devices
 
         path = Path(path)
@@ -270,6 +279,13 @@ class Model(_Closeable):
         handle = _engine().dg_model_load(os.fsencode(path), threads, err, _ERR_LEN)
         if not handle:
             raise EngineError(f"cannot load {name or path.name}: {_error(err)}")
+        if adapters:
+            try:
+                with adapter_files.as_gguf(adapters) as files:
+                    _load_adapters(handle, files)
+            except BaseException:
+                _engine().dg_model_free(handle)
+                raise
         ngl = -1 if num_gpu is None or num_gpu < 0 else int(num_gpu)
         if _engine().dg_model_offload(handle, ngl, int(num_cpu_moe), err, _ERR_LEN) != 0:
             _engine().dg_model_free(handle)
@@ -301,6 +317,23 @@ class Model(_Closeable):
         if not _engine().dg_model_check(os.fsencode(path), err, _ERR_LEN):
             raise EngineError(_error(err).replace(f"'{path}'", "the file").replace(str(path), "the file"))
 
+    @staticmethod
+    def check_adapter(model_path: str | os.PathLike, adapter_path: str | os.PathLike) -> None:
+        """Make every check loading the GGUF LoRA file `adapter_path` onto the model at `model_path` makes (the
+        adapter's header, metadata, and each tensor's name, type and shape against the model's weights), allocating
+        neither. Raises EngineError with the reason, the paths left out of it."""
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        if not _engine().dg_adapter_check(os.fsencode(Path(model_path)), os.fsencode(Path(adapter_path)), err,
+                                          _ERR_LEN):
+            text = _error(err)
+            for p in (str(model_path), str(adapter_path)):
+                text = text.replace(f"'{p}'", "the file").replace(p, "the file")
+            raise EngineError(text)
+
+    @property
+    def n_adapters(self) -> int:
+        return _engine().dg_model_n_adapters(self._require())
+
     @functools.cached_property
     def metadata(self) -> dict:
         return _read_metadata(_engine(), _engine().dg_model_gguf(self._require()))
@@ -317,6 +350,19 @@ class Model(_Closeable):
             _engine().dg_model_free(self._handle)
             self._handle = None
 
+
+
+def _load_adapters(handle: int, files: Sequence[tuple[Path, float, str]]) -> None:
+    """Fold the GGUF LoRA files (path, scale, name for errors) into the model before its weights are placed."""
+    lib = _engine()
+    n = len(files)
+    paths = (ctypes.c_char_p * n)(*(os.fsencode(p) for p, _, _ in files))
+    scales = (ctypes.c_float * n)(*(float(s) for _, s, _ in files))
+    err = ctypes.create_string_buffer(_ERR_LEN)
+    failed = lib.dg_model_load_adapters(handle, paths, scales, n, err, _ERR_LEN)
+    if failed:
+        which = files[failed - 1][2] if failed <= n else "the adapters"
+        raise EngineError(f"cannot load adapter {which}: {_error(err)}")
 
 
 def _token_array(ids, n_vocab: int, what: str) -> np.ndarray:

@@ -117,7 +117,7 @@ def test_create_from_missing_model_pulls_it_first(store, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("FROM ./tiny.gguf\nADAPTER ./lora.gguf\n", "^adapters are not supported$"),
+    ("FROM ./tiny.gguf\nADAPTER ./lora.gguf\n", "^adapter not found: ./lora.gguf$"),
     ("FROM ./tiny.gguf\nPARAMETER diffusion_steps 0\n", "invalid value for diffusion_steps: 0"),
     ("FROM ./tiny.gguf\nTEMPLATE \"{% for m in messages %}{{ m.content.__class__.__mro__[1].__subclasses__() }}{% endfor %}\"\n",
      "^template error: SecurityError"),

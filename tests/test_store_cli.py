@@ -119,7 +119,7 @@ def test_show_modelfile_output_recreates_identical_layers(tmp_path):
     # refused locally before any upload, with the server's wording
     ("text", (), "supplied file was not in GGUF format (invalid GGUF: bad magic"),
     ("llama", (), 'model architecture "llama" is not supported by dgemma'),
-    ("adapter", (), "adapters are not supported"),
+    ("adapter", (), "invalid adapter adapter.gguf: not a LoRA adapter: the GGUF is a model"),
 ])
 def test_create_errors_are_one_line_and_leave_no_model(tmp_path, setup, args, message):
     from dgemma_cli.store import Store

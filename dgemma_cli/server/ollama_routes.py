@@ -367,13 +367,13 @@ async def create(req: schemas.CreateRequest, request: Request):
     check_options(req.parameters)  # typed like request options, so that a created model's parameters can run
     if not req.from_ and not req.files:
         raise RequestError("neither 'from' or 'files' was specified")
-    for key, digest in (req.files or {}).items():
+    for key, digest in (*(req.files or {}).items(), *(req.adapters or {}).items()):
         if not _clean_relative(key):
             raise RequestError("file path must be relative")
         svc.blob_path(digest)  # the one validator: 400 invalid digest format
-    if req.adapters:
-        raise RequestError("adapters are not supported")
     gguf_paths = await asyncio.to_thread(svc.check_create_files, req.files or {})
+    if req.adapters:
+        await asyncio.to_thread(svc.check_create_adapters, req.adapters, gguf_paths, req.from_)
 
     def produce(cancel: threading.Event):
         return svc.create(name, req, gguf_paths)

@@ -136,10 +136,13 @@ class EngineRunner:
         # placement (docs/engine.md#devices): PARAMETERs or request options, as llama.cpp's -ngl and --n-cpu-moe
         num_gpu = parameters.get("num_gpu")
         num_cpu_moe = parameters.get("num_cpu_moe")
+        # the manifest's LoRA layers, in order, each at scale 1 (docs/gguf.md#lora-adapters)
+        adapters = [(str(path), 1.0) for path in getattr(local_model, "adapters", None) or []]
         self.model = Model.load(str(local_model.gguf_path), threads=threads,
                                 name=f"model '{local_model.name}'" if getattr(local_model, "name", None) else None,
                                 num_gpu=int(num_gpu) if isinstance(num_gpu, int) else None,
-                                num_cpu_moe=int(num_cpu_moe) if isinstance(num_cpu_moe, int) else 0)
+                                num_cpu_moe=int(num_cpu_moe) if isinstance(num_cpu_moe, int) else 0,
+                                adapters=adapters)
         try:
             hparams = self.model.hparams
             self.metadata = dict(self.model.metadata)

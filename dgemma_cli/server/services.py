@@ -3,7 +3,7 @@ import asyncio
 import copy
 import logging
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from dgemma_engine.arch import ARCH
@@ -19,7 +19,7 @@ from dgemma_cli.server.options import check_options
 from dgemma_cli.server.runner import ChatTemplate, jinja_template_text, tool_format_of
 from dgemma_cli.server.scheduler import PLACEMENT_OPTIONS, Scheduler
 from dgemma_cli.store import ModelNotFoundError, Store
-from dgemma_cli.wire import ModelDetails, ShowResponse, TensorInfo
+from dgemma_cli.wire import AdapterInfo, ModelDetails, ShowResponse, TensorInfo
 
 log = logging.getLogger("dgemma.server")
 
@@ -157,7 +157,10 @@ class Services:
             capabilities.append("tools")  # before thinking, in Ollama's order
         if "enable_thinking" in str(template):
             capabilities.append("thinking")
-        source = str(local.gguf_path) if self.config.host.is_loopback and local.gguf_path else local.name
+        loopback = self.config.host.is_loopback
+        source = str(local.gguf_path) if loopback and local.gguf_path else local.name
+        # FROM <name> already brings the adapters along; blob paths are shown on a loopback server only
+        adapter_lines = [str(path) for path in local.adapters] if loopback and local.gguf_path else []
         modelfile = Modelfile(
             froms=[source],
             template=local.template,
@@ -165,6 +168,7 @@ class Services:
             licenses=list(local.license or []),
             messages=list(local.messages or []),
             parameters=dict(local.parameters or {}),
+            adapters=adapter_lines,
         )
         try:
             modelfile_text = format_modelfile(modelfile, header=MODELFILE_HEADER.format(name=local.name))
@@ -185,7 +189,24 @@ class Services:
             capabilities=capabilities,
             modified_at=_timestamp(getattr(local, "modified", 0.0)),
             tensors=tensors,
+            adapters=self.adapter_infos(local) or None,
         )
+
+    @staticmethod
+    def adapter_infos(local: Any) -> list[AdapterInfo]:
+        from dgemma_cli.gguf_check import GGUFError, read_gguf_info
+        from dgemma_convert.lora import LoraError, lora_header_from
+
+        infos = []
+        for path in getattr(local, "adapters", None) or []:
+            try:
+                gguf = read_gguf_info(path)
+                header = lora_header_from(gguf.metadata, ((t.name, t.shape, t.type_name) for t in gguf.tensors))
+            except (GGUFError, LoraError) as exc:
+                raise DgemmaError(f"model '{local.name}': adapter {path.name} is damaged ({exc})") from None
+            infos.append(AdapterInfo(digest="sha256:" + path.name.removeprefix("sha256-"), size=gguf.file_size,
+                                     ranks=header.ranks, alpha=header.alpha, targets=len(header.pairs)))
+        return infos
 
     # ---- create ---------------------------------------------------------------------------------------------------
 
@@ -210,6 +231,59 @@ class Services:
             raise RequestError("split GGUF models (more than one file) are not supported")
         return paths
 
+    def check_create_adapters(self, adapters: dict[str, str], gguf_paths: list[Path], from_: str | None) -> None:
+        """The uploaded adapters of a create request, checked (against the base when it is already here) before the
+        answer starts streaming, so that a bad adapter is a 400 (docs/gguf.md#lora-adapters)."""
+        from dgemma_cli.create import CreateError, check_adapter_plan, validated_adapter
+
+        base = self._adapter_base(gguf_paths, from_)
+        with self.store.scratch("adapter-check") as work:
+            for source in self.adapter_sources(adapters, work):
+                try:
+                    if source.path.is_dir():
+                        check_adapter_plan(source, base)
+                    else:
+                        validated_adapter(source.path, source.label, base)
+                except CreateError as exc:
+                    raise RequestError(str(exc)) from None
+
+    def _adapter_base(self, gguf_paths: list[Path], from_: str | None) -> Any:
+        from dgemma_cli.create import BaseShapes
+        from dgemma_cli.gguf_check import read_gguf_info
+
+        path = gguf_paths[0] if gguf_paths else None
+        if path is None and from_:
+            try:
+                path = self.store.resolve(ModelName.parse(from_)).gguf_path
+            except DgemmaError:
+                return None  # not here yet (pulled by create): checked there
+        return BaseShapes.of(read_gguf_info(path), path) if path is not None and path.is_file() else None
+
+    def adapter_sources(self, adapters: dict[str, str], work: Path) -> list[Any]:
+        """`adapters` ({file name: digest}) as ADAPTER sources: each GGUF LoRA blob, or one PEFT folder made in `work`
+        from the `adapter_config.json` and `adapter_model.safetensors` blobs (links; the server never opens a path a
+        client chose)."""
+        from dgemma_cli.create import AdapterSource
+        from dgemma_convert.lora import CONFIG_FILE, WEIGHTS_FILE
+
+        blobs = {}
+        for key, digest in adapters.items():
+            path = self.store.blob_path(digest)
+            if not path.is_file():
+                raise RequestError(f'blob "{digest}" not found', 404)
+            blobs[PurePosixPath(key).name] = path
+        peft = {CONFIG_FILE, WEIGHTS_FILE}
+        if not peft & set(blobs):
+            return [AdapterSource(path, name) for name, path in blobs.items()]
+        if set(blobs) != peft:
+            raise RequestError(f"a PEFT adapter is exactly {CONFIG_FILE} and {WEIGHTS_FILE}, got "
+                               f"{', '.join(sorted(blobs))}")
+        folder = work / "peft-adapter"
+        folder.mkdir()
+        for name, path in blobs.items():
+            (folder / name).symlink_to(path)
+        return [AdapterSource(folder, "PEFT adapter")]
+
     def create(self, name: ModelName, req: Any, gguf_paths: list[Path]):
         from dgemma_cli.create import create_model
         from dgemma_cli.modelfile import Modelfile
@@ -224,7 +298,10 @@ class Services:
             parameters=dict(req.parameters or {}),
             requires=req.requires,
         )
-        yield from create_model(name, modelfile, self.store, self.store.blobs_dir, quantize=req.quantize)
+        with self.store.scratch("adapters") as work:
+            adapters = self.adapter_sources(req.adapters or {}, work)
+            yield from create_model(name, modelfile, self.store, self.store.blobs_dir, quantize=req.quantize,
+                                    adapters=adapters)
 
 
 def format_parameters(params: dict[str, Any]) -> str:

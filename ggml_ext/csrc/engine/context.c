@@ -24,7 +24,7 @@
 enum { MIN_ENCODE_CHUNK = 32 };
 
 static size_t graph_nodes(const dg_model *m) {
-    return 1024 + (size_t)m->hp.n_layer * (128 + 4 * (size_t)m->hp.n_expert_used);
+    return 1024 + (size_t)m->hp.n_layer * (128 + 4 * (size_t)m->hp.n_expert_used) + (size_t)m->lora_graph_nodes;
 }
 
 static struct ggml_context *new_graph_ctx(const dg_model *m) {
@@ -378,7 +378,7 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
         struct ggml_tensor *p = g->sc_softmax = ggml_soft_max_ext(ctx, prev, NULL, 1.0f, 0.0f);  // [V, n]
         struct ggml_tensor *soft = ggml_scale(ctx, soft_embedding(ctx, m, p), m->embd_scale);  // [H, n]
         struct ggml_tensor *u = dg_build_rmsw(ctx, m, soft, m->sc_pre_norm);
-        e = ggml_add(ctx, e, dg_build_gated_mlp(ctx, u, m->sc_gate, m->sc_up, m->sc_down, dg_unit_fast(m, m->hp.n_layer)));
+        e = ggml_add(ctx, e, dg_build_self_cond_mlp(ctx, m, u));
     }
     struct ggml_tensor *x = ggml_rms_norm(ctx, e, m->hp.rms_eps);  // weight-less post_norm
 

@@ -87,7 +87,7 @@ DG_API int dg_devices_describe(char *out, size_t out_len) {
 // ---------------------------------------------------------------------------------------------------------------
 // which weights belong to which unit
 
-enum { MAX_UNIT_TENSORS = 32 };
+enum { MAX_UNIT_TENSORS = 32 + DG_PASSES * DG_LORA_TARGETS * 2 };
 
 // Pointers to the weight fields of layer il: dense part (attention, dense MLP, router, norms, scalars) and experts.
 static int layer_fields(dg_layer *L, struct ggml_tensor ***dense, struct ggml_tensor ***experts, int *n_experts) {
@@ -102,6 +102,14 @@ static int layer_fields(dg_layer *L, struct ggml_tensor ***dense, struct ggml_te
     if (L->enc_scale != L->dec_scale) dense[n++] = &L->enc_scale;
     *n_experts = 0;
     for (size_t i = 0; i < sizeof(e) / sizeof(e[0]); i++) experts[(*n_experts)++] = e[i];
+    for (int pass = 0; pass < DG_PASSES; pass++) {  // the adapters' factors go where the weight they adapt goes
+        for (int t = 0; t < DG_LORA_TARGETS; t++) {
+            struct ggml_tensor ***list = t >= DG_LORA_GATE_UP_EXPS ? experts : dense;
+            int *count = t >= DG_LORA_GATE_UP_EXPS ? n_experts : &n;
+            list[(*count)++] = &L->lora[pass][t].a;
+            list[(*count)++] = &L->lora[pass][t].b;
+        }
+    }
     return n;
 }
 
@@ -114,6 +122,10 @@ static int output_fields(dg_model *m, struct ggml_tensor ***out) {
     out[n++] = &m->sc_up;
     out[n++] = &m->sc_down;
     out[n++] = &m->embd_t;
+    for (int t = DG_LORA_GATE; t <= DG_LORA_DOWN; t++) {
+        out[n++] = &m->sc_lora[t].a;
+        out[n++] = &m->sc_lora[t].b;
+    }
     return n;
 }
 
@@ -241,6 +253,7 @@ bool dg_model_place(dg_model *m, int num_gpu, int num_cpu_moe, char *err, size_t
     // on the CPU unless placed elsewhere
     if (m->buf_file) ggml_backend_buffer_set_usage(m->buf_file, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     if (m->buf_extra) ggml_backend_buffer_set_usage(m->buf_extra, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    if (m->buf_lora) ggml_backend_buffer_set_usage(m->buf_lora, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
 
     const int cap = (L + 1) * (MAX_UNIT_TENSORS + 8);
     struct ggml_tensor ***fields = malloc(sizeof(*fields) * (size_t)cap);

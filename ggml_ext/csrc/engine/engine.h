@@ -49,6 +49,19 @@ typedef struct dg_hparams {
     int32_t n_head_kv[DG_MAX_LAYERS];
 } dg_hparams;
 
+// LoRA targets of a layer (lora.c, docs/gguf.md#lora-adapters). Every adapter's delta of one target in one pass is
+// folded into a single pair at load: ranks concatenated, each adapter's alpha/r·scale multiplied into its B columns.
+enum dg_lora_target {
+    DG_LORA_Q, DG_LORA_K, DG_LORA_V, DG_LORA_O, DG_LORA_GATE, DG_LORA_UP, DG_LORA_DOWN, DG_LORA_ROUTER,
+    DG_LORA_GATE_UP_EXPS, DG_LORA_GATE_EXPS, DG_LORA_UP_EXPS, DG_LORA_DOWN_EXPS, DG_LORA_TARGETS
+};
+enum { DG_PASS_ENCODER, DG_PASS_DECODER, DG_PASSES };
+
+// delta(W)·x = b·(a·x): a [n_in, R(, E)], b [R, n_out(, E)], both F32; NULL when no adapter touches the target
+typedef struct dg_lora {
+    struct ggml_tensor *a, *b;
+} dg_lora;
+
 typedef struct dg_layer {
     bool sliding;
     int n_head_kv;
@@ -60,6 +73,7 @@ typedef struct dg_layer {
     struct ggml_tensor *gate_up_exps, *gate_exps, *up_exps, *down_exps, *expert_scale;
     struct ggml_tensor *post_ffw_norm_2, *post_ffw_norm;
     struct ggml_tensor *dec_scale, *enc_scale;  // layer scalars (decoder λ, encoder λ)
+    dg_lora lora[DG_PASSES][DG_LORA_TARGETS];
 } dg_layer;
 
 // Where each layer's weights live (devices.c). Device 0 is the CPU; zero-initialised = everything on the CPU, which
@@ -95,6 +109,11 @@ typedef struct dg_model {
     int n_threads;
     char warnings[1024];
     dg_placement place;
+    dg_lora sc_lora[DG_LORA_TARGETS];  // the self-conditioning MLP's deltas (decoder only): GATE, UP, DOWN
+    struct ggml_context *ctx_lora;  // the adapters' folded factors (lora.c), on the CPU until placement copies them
+    ggml_backend_buffer_t buf_lora;
+    int n_adapters;
+    int lora_graph_nodes;  // extra nodes the adapters add to one graph
 } dg_model;
 
 typedef struct dg_attn_span {
@@ -149,6 +168,9 @@ dg_model *dg_model_load_impl(const char *path, int n_threads, bool check_only, c
 bool dg_make_transposed_embedding(dg_model *m, char *err, size_t err_len);
 void dg_model_free_impl(dg_model *m);
 
+// lora.c: GGUF LoRA adapters (docs/gguf.md#lora-adapters), loaded by dg_model_load_adapters before placement
+void dg_lora_free(dg_model *m);
+
 // gguf_check.c: validate the raw bytes of a GGUF before ggml parses it.
 bool dg_gguf_check(const uint8_t *data, size_t size, char *err, size_t err_len);
 
@@ -160,9 +182,9 @@ struct ggml_tensor *dg_build_layer(struct ggml_context *ctx, struct ggml_cgraph 
 struct ggml_tensor *dg_build_rmsw(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x,
                                   struct ggml_tensor *w);
 struct ggml_tensor *dg_build_softcap(struct ggml_context *ctx, struct ggml_tensor *x, float cap);
-// fast: the fused GELU custom op (CPU only); else the same arithmetic from standard ops (any backend)
-struct ggml_tensor *dg_build_gated_mlp(struct ggml_context *ctx, struct ggml_tensor *x, struct ggml_tensor *gate,
-                                       struct ggml_tensor *up, struct ggml_tensor *down, bool fast);
+// the self-conditioning MLP on x [H, n] with its adapters' deltas; on the CPU with the fused GELU custom op, else
+// the same arithmetic from standard ops (any backend)
+struct ggml_tensor *dg_build_self_cond_mlp(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x);
 
 // expert_matmul.c: ggml_mul_mat_id, with a register-tiled custom op for F32 weights on x86 (AVX2 / AVX-512)
 struct ggml_tensor *dg_build_expert_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,

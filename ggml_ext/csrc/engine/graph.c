@@ -8,6 +8,8 @@
 //   accelerator, or everywhere with DGEMMA_STANDARD_OPS (docs/engine.md#devices).
 // - RoPE is NEOX with n_dims = head_dim; full layers get the partial rotary through `rope_freqs` factors.
 // - Attention scale is 1.0 (q and k are RMS-normalised instead).
+// - LoRA adapters (lora.c) add b·(a·x) to a weight's matmul, with the encoder's or the decoder's delta by pass; the
+//   base matmul keeps its fast kernel, the delta is ggml's F32 matmul (any backend).
 #include <math.h>
 
 #include "engine.h"
@@ -64,22 +66,48 @@ struct ggml_tensor *dg_build_softcap(struct ggml_context *ctx, struct ggml_tenso
     return ggml_scale_bias(ctx, ggml_sigmoid(ctx, ggml_scale(ctx, x, 2.0f / cap)), 2.0f * cap, -cap);
 }
 
-struct ggml_tensor *dg_build_gated_mlp(struct ggml_context *ctx, struct ggml_tensor *x, struct ggml_tensor *gate,
-                                       struct ggml_tensor *up, struct ggml_tensor *down, bool fast) {
-    struct ggml_tensor *g = dg_build_weight_matmul(ctx, gate, x, fast);
-    struct ggml_tensor *u = dg_build_weight_matmul(ctx, up, x, fast);
-    return dg_build_weight_matmul(ctx, down, gelu_mul(ctx, g, u, fast), fast);
+// w·x plus an adapters' delta b·(a·x) (x: [n_in, T]); d NULL or empty: w·x alone
+static struct ggml_tensor *lora_matmul(struct ggml_context *ctx, const dg_lora *d, struct ggml_tensor *w,
+                                       struct ggml_tensor *x, bool fast) {
+    struct ggml_tensor *y = dg_build_weight_matmul(ctx, w, x, fast);
+    if (!d->a) return y;
+    return ggml_add(ctx, y, ggml_mul_mat(ctx, d->b, ggml_mul_mat(ctx, d->a, x)));
+}
+
+// a layer weight's matmul with its adapters' delta in this pass
+static struct ggml_tensor *adapted_matmul(struct ggml_context *ctx, const dg_layer *L, int pass, int target,
+                                          struct ggml_tensor *w, struct ggml_tensor *x, bool fast) {
+    return lora_matmul(ctx, &L->lora[pass][target], w, x, fast);
+}
+
+// gated MLP whose three matmuls carry the deltas deltas[DG_LORA_GATE / UP / DOWN]
+static struct ggml_tensor *lora_gated_mlp(struct ggml_context *ctx, const dg_lora *deltas, struct ggml_tensor *x,
+                                          struct ggml_tensor *gate, struct ggml_tensor *up, struct ggml_tensor *down,
+                                          bool fast) {
+    struct ggml_tensor *g = lora_matmul(ctx, &deltas[DG_LORA_GATE], gate, x, fast);
+    struct ggml_tensor *u = lora_matmul(ctx, &deltas[DG_LORA_UP], up, x, fast);
+    return lora_matmul(ctx, &deltas[DG_LORA_DOWN], down, gelu_mul(ctx, g, u, fast), fast);
+}
+
+struct ggml_tensor *dg_build_self_cond_mlp(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x) {
+    return lora_gated_mlp(ctx, m->sc_lora, x, m->sc_gate, m->sc_up, m->sc_down, dg_unit_fast(m, m->hp.n_layer));
 }
 
 // Experts on the CPU take the fast kernels (expert_matmul.c); anywhere else ggml's own mul_mat_id, which every
-// backend has: a CPU kernel must never be handed weights that live in another device's memory.
-static struct ggml_tensor *expert_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
-                                         struct ggml_tensor *ids, bool fast) {
-    return fast ? dg_build_expert_matmul(ctx, w, x, ids) : ggml_mul_mat_id(ctx, w, x, ids);
+// backend has: a CPU kernel must never be handed weights that live in another device's memory. An adapter's
+// per-expert delta goes through mul_mat_id twice: a_e·x, then b_e·(…) for the routed expert e of each row.
+static struct ggml_tensor *expert_matmul(struct ggml_context *ctx, const dg_layer *L, int pass, int target,
+                                         struct ggml_tensor *w, struct ggml_tensor *x, struct ggml_tensor *ids,
+                                         bool fast) {
+    struct ggml_tensor *y = fast ? dg_build_expert_matmul(ctx, w, x, ids) : ggml_mul_mat_id(ctx, w, x, ids);
+    const dg_lora *d = &L->lora[pass][target];
+    if (!d->a) return y;
+    return ggml_add(ctx, y, ggml_mul_mat_id(ctx, d->b, ggml_mul_mat_id(ctx, d->a, x, ids), ids));
 }
 
 // Router on the raw residual, experts on pre_feedforward_layernorm_2(a) (docs/model.md#mlp-and-moe-routing). a: [H, T]
-static struct ggml_tensor *build_moe(struct ggml_context *ctx, const dg_model *m, int il, struct ggml_tensor *a) {
+static struct ggml_tensor *build_moe(struct ggml_context *ctx, const dg_model *m, int il, int pass,
+                                     struct ggml_tensor *a) {
     const dg_layer *L = &m->layers[il];
     const bool fast = dg_experts_fast(m, il);
     const int64_t H = m->hp.n_embd, E = m->hp.n_expert, K = m->hp.n_expert_used, FFe = m->hp.n_ff_exp;
@@ -87,7 +115,8 @@ static struct ggml_tensor *build_moe(struct ggml_context *ctx, const dg_model *m
 
     struct ggml_tensor *r = ggml_mul(ctx, ggml_rms_norm(ctx, a, m->hp.rms_eps), L->router_scale);
     r = ggml_scale(ctx, r, 1.0f / sqrtf((float)H));
-    struct ggml_tensor *probs = ggml_soft_max(ctx, ggml_mul_mat(ctx, L->router, r));  // [E, T], softmax before top-k
+    struct ggml_tensor *logits = adapted_matmul(ctx, L, pass, DG_LORA_ROUTER, L->router, r, false);  // ggml's matmul
+    struct ggml_tensor *probs = ggml_soft_max(ctx, logits);  // [E, T], softmax before top-k
     struct ggml_tensor *idx = ggml_top_k(ctx, probs, (int)K);  // [K, T], contiguous, order irrelevant
 
     struct ggml_tensor *w = ggml_get_rows(ctx, ggml_reshape_3d(ctx, probs, 1, E, T), idx);  // [1, K, T]
@@ -102,15 +131,15 @@ static struct ggml_tensor *build_moe(struct ggml_context *ctx, const dg_model *m
     struct ggml_tensor *gate, *up;
     if (L->gate_up_exps) {
         // fused [H, 2·FFe, E]: output rows [0, FFe) are gate, [FFe, 2·FFe) are up
-        struct ggml_tensor *gu = expert_matmul(ctx, L->gate_up_exps, xe, idx, fast);  // [2·FFe, K, T]
+        struct ggml_tensor *gu = expert_matmul(ctx, L, pass, DG_LORA_GATE_UP_EXPS, L->gate_up_exps, xe, idx, fast);
         gate = ggml_view_3d(ctx, gu, FFe, K, T, gu->nb[1], gu->nb[2], 0);
         up = ggml_view_3d(ctx, gu, FFe, K, T, gu->nb[1], gu->nb[2], FFe * ggml_element_size(gu));
     } else {
-        gate = expert_matmul(ctx, L->gate_exps, xe, idx, fast);
-        up = expert_matmul(ctx, L->up_exps, xe, idx, fast);
+        gate = expert_matmul(ctx, L, pass, DG_LORA_GATE_EXPS, L->gate_exps, xe, idx, fast);
+        up = expert_matmul(ctx, L, pass, DG_LORA_UP_EXPS, L->up_exps, xe, idx, fast);
     }
     struct ggml_tensor *act = gelu_mul(ctx, gate, up, fast);                                // [FFe, K, T]
-    struct ggml_tensor *y = expert_matmul(ctx, L->down_exps, act, idx, fast);            // [H, K, T]
+    struct ggml_tensor *y = expert_matmul(ctx, L, pass, DG_LORA_DOWN_EXPS, L->down_exps, act, idx, fast);  // [H, K, T]
     y = ggml_mul(ctx, y, w);
 
     struct ggml_tensor *out = ggml_view_2d(ctx, y, H, T, y->nb[2], 0);
@@ -125,7 +154,7 @@ static struct ggml_tensor *build_moe(struct ggml_context *ctx, const dg_model *m
 static struct ggml_tensor *build_attention(struct ggml_context *ctx, struct ggml_cgraph *gf, const dg_model *m,
                                            const dg_context *c, int il, struct ggml_tensor *h,
                                            struct ggml_tensor *pos, struct ggml_tensor *mask, int slot0,
-                                           dg_attn_span span, bool kv_only) {
+                                           dg_attn_span span, int pass, bool kv_only) {
     const dg_layer *L = &m->layers[il];
     const int64_t hd = L->head_dim, nkv = L->n_head_kv, nh = m->hp.n_head, T = h->ne[1];
     const float base = L->sliding ? m->hp.rope_base_swa : m->hp.rope_base_full;
@@ -133,9 +162,9 @@ static struct ggml_tensor *build_attention(struct ggml_context *ctx, struct ggml
     const int n_ctx_orig = m->hp.n_ctx_train;
     const bool fast = dg_unit_fast(m, il);  // the layer's weights are in CPU memory: the engine's kernels may read them
 
-    struct ggml_tensor *kr = ggml_reshape_3d(ctx, dg_build_weight_matmul(ctx, L->wk, h, fast), hd, nkv, T);
-    struct ggml_tensor *vr = L->wv ? ggml_reshape_3d(ctx, dg_build_weight_matmul(ctx, L->wv, h, fast), hd, nkv, T)
-                                   : kr;
+    struct ggml_tensor *kr = ggml_reshape_3d(ctx, adapted_matmul(ctx, L, pass, DG_LORA_K, L->wk, h, fast), hd, nkv, T);
+    struct ggml_tensor *vr =
+        L->wv ? ggml_reshape_3d(ctx, adapted_matmul(ctx, L, pass, DG_LORA_V, L->wv, h, fast), hd, nkv, T) : kr;
     struct ggml_tensor *k = dg_build_rmsw(ctx, m, kr, L->k_norm);
     k = ggml_rope_ext(ctx, k, pos, freq_factors, (int)hd, GGML_ROPE_TYPE_NEOX, n_ctx_orig, base, 1.0f, 0.0f, 1.0f,
                       0.0f, 0.0f);
@@ -149,7 +178,7 @@ static struct ggml_tensor *build_attention(struct ggml_context *ctx, struct ggml
     ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_transpose(ctx, ggml_reshape_2d(ctx, v, hd * nkv, T)), v_dst));
     if (kv_only) return NULL;
 
-    struct ggml_tensor *q = ggml_reshape_3d(ctx, dg_build_weight_matmul(ctx, L->wq, h, fast), hd, nh, T);
+    struct ggml_tensor *q = ggml_reshape_3d(ctx, adapted_matmul(ctx, L, pass, DG_LORA_Q, L->wq, h, fast), hd, nh, T);
     q = dg_build_rmsw(ctx, m, q, L->q_norm);
     q = ggml_rope_ext(ctx, q, pos, freq_factors, (int)hd, GGML_ROPE_TYPE_NEOX, n_ctx_orig, base, 1.0f, 0.0f, 1.0f,
                       0.0f, 0.0f);
@@ -163,7 +192,7 @@ static struct ggml_tensor *build_attention(struct ggml_context *ctx, struct ggml
                                             (size_t)span.first * vc->nb[0]);  // [S, hd, nkv]
     struct ggml_tensor *kqv = ggml_mul_mat(ctx, vals, kq);                      // [hd, T, nh]
     struct ggml_tensor *out = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), hd * nh, T);
-    return dg_build_weight_matmul(ctx, L->wo, out, fast);
+    return adapted_matmul(ctx, L, pass, DG_LORA_O, L->wo, out, fast);
 }
 
 // One layer (docs/model.md#block-assembly). Encoder: causal mask + encoder λ; decoder: no mask + decoder λ.
@@ -173,15 +202,17 @@ struct ggml_tensor *dg_build_layer(struct ggml_context *ctx, struct ggml_cgraph 
                                    struct ggml_tensor *mask, int slot0, dg_attn_span span, bool encoder,
                                    bool kv_only) {
     const dg_layer *L = &m->layers[il];
+    const int pass = encoder ? DG_PASS_ENCODER : DG_PASS_DECODER;
     struct ggml_tensor *h = dg_build_rmsw(ctx, m, x, L->attn_norm);
-    struct ggml_tensor *o = build_attention(ctx, gf, m, c, il, h, pos, mask, slot0, span, kv_only);
+    struct ggml_tensor *o = build_attention(ctx, gf, m, c, il, h, pos, mask, slot0, span, pass, kv_only);
     if (kv_only) return NULL;
     struct ggml_tensor *a = ggml_add(ctx, x, dg_build_rmsw(ctx, m, o, L->post_attn_norm));
 
     struct ggml_tensor *u = dg_build_rmsw(ctx, m, a, L->ffn_norm);
-    struct ggml_tensor *mlp = dg_build_gated_mlp(ctx, u, L->ffn_gate, L->ffn_up, L->ffn_down, dg_unit_fast(m, il));
+    struct ggml_tensor *mlp = lora_gated_mlp(ctx, L->lora[pass], u, L->ffn_gate, L->ffn_up, L->ffn_down,
+                                             dg_unit_fast(m, il));
     struct ggml_tensor *h1 = dg_build_rmsw(ctx, m, mlp, L->post_ffw_norm_1);
-    struct ggml_tensor *h2 = dg_build_rmsw(ctx, m, build_moe(ctx, m, il, a), L->post_ffw_norm_2);
+    struct ggml_tensor *h2 = dg_build_rmsw(ctx, m, build_moe(ctx, m, il, pass, a), L->post_ffw_norm_2);
     struct ggml_tensor *y = ggml_add(ctx, a, dg_build_rmsw(ctx, m, ggml_add(ctx, h1, h2), L->post_ffw_norm));
     return ggml_mul(ctx, y, encoder ? L->enc_scale : L->dec_scale);
 }
