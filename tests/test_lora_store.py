@@ -186,6 +186,24 @@ def test_unsupported_peft_adapters_are_refused(tmp_path, changes, message):
     assert not (tmp_path / "out.gguf").exists()
 
 
+def test_expert_pairs_fit_fused_and_split_bases():
+    from dgemma_convert.lora import check_against_base, lora_header_from
+
+    meta = {"general.architecture": ARCH, "general.type": "adapter", "adapter.type": "lora", "adapter.lora.alpha": 8.0}
+    H, FFe, E, r = 64, 32, 4, 2
+    fused = lora_header_from(meta, [("dec.blk.0.ffn_gate_up_exps.weight.lora_a", (H, r, E), "F32"),
+                                    ("dec.blk.0.ffn_gate_up_exps.weight.lora_b", (r, 2 * FFe, E), "Q8_0")])
+    split = lora_header_from(meta, [(f"blk.0.ffn_{g}_exps.weight.lora_{h}", (H, r, E) if h == "a" else (r, FFe, E), "F16")
+                                    for g in ("gate", "up") for h in "ab"])
+    fused_base = {"blk.0.ffn_gate_up_exps.weight": (H, 2 * FFe, E)}
+    split_base = {"blk.0.ffn_gate_exps.weight": (H, FFe, E), "blk.0.ffn_up_exps.weight": (H, FFe, E)}
+    for header in (fused, split):
+        for base_tensors in (fused_base, split_base):
+            check_against_base(header, ARCH, base_tensors)
+    with pytest.raises(LoraError, match="does not fit this base"):
+        check_against_base(fused, ARCH, {"blk.0.ffn_gate_exps.weight": (H, 16, E), "blk.0.ffn_up_exps.weight": (H, 16, E)})
+
+
 # ---- create / show / cp / rm through the CLI ----------------------------------------------------------------------
 
 def manifest_layers(store: Store, name: str) -> list:
