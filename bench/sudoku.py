@@ -10,8 +10,9 @@ generated with sampler seed i:
 - dgemma, adaptive stop (the GGUF's sampler settings, torch-RNG mode): solve rate, mean denoising steps, wall time
   per puzzle;
 - dgemma, a fixed 48 steps (the early stop disabled; first --fixed-n puzzles): solve rate, wall time;
-- dgemma with up to --tries attempts (what `dgemma run sudoku` does: a grid that breaks a rule is retried with a new
-  seed; first --tries-n puzzles): solve rate;
+- dgemma as `dgemma run sudoku` delivers it: the bundled Modelfile's parameters (num_canvases candidates among
+  them), the server's Sudoku checker choosing among the candidates and renoising cells that break a rule, and run's
+  retries with a new seed (up to MAX_TRIES): solve rate, mean denoising steps per candidate, wall time per puzzle;
 - transformers' generate() on the original checkpoint (first --hf-n puzzles, same seeds, adaptive): solve rate, mean
   steps, wall time, and the agreement with dgemma puzzle by puzzle (identical grid; identical step count).
 
@@ -33,7 +34,8 @@ sys.path.insert(0, str(REPO / "recipes" / "sudoku"))
 import puzzles
 
 BENCH_SEED = 20_000
-RETRY_SEED_STRIDE = 1_000_003  # try k of puzzle i uses seed i + k * stride (never another puzzle's seed)
+RETRY_SEED_STRIDE = 100_000_007  # try k of puzzle i uses seed i + k * stride: never another puzzle's seed, nor one of
+# its candidates' (candidate j of a try adds j * CANDIDATE_SEED_STRIDE, 1_000_003)
 LEVELS = ("easy", "medium", "hard")
 
 
@@ -66,14 +68,23 @@ def load_cases(level: str, n: int, cache_dir: Path) -> list[tuple[str, str]]:
     return cases
 
 
+def modelfile_sampler(path: Path) -> dict:
+    """The bundled Modelfile's sampler PARAMETERs, as SamplerParams overrides by field name."""
+    from dgemma_cli.modelfile import parse_modelfile
+    from dgemma_engine.settings import SAMPLER_SETTINGS
+
+    params = parse_modelfile(path.read_text()).parameters
+    return {s.field: params[s.option] for s in SAMPLER_SETTINGS if s.option in params}
+
+
 class Dgemma:
-    def __init__(self, gguf: Path, threads: int):
+    def __init__(self, gguf: Path, threads: int, max_canvases: int = 1):
         from dgemma_engine.model import Context, Model
         from dgemma_engine.tokenizer import Tokenizer
 
         self.model = Model.load(str(gguf), threads=threads)
         self.tokenizer = Tokenizer.from_metadata(self.model.metadata)
-        self.ctx = Context(self.model, n_ctx=256, threads=threads)
+        self.ctx = Context(self.model, n_ctx=256, threads=threads, max_canvases=max_canvases)
 
     def run(self, cases: list[tuple[str, str]], adaptive: bool = True, seed_offset: int = 0,
             only: list[int] | None = None) -> Run:
@@ -92,17 +103,32 @@ class Dgemma:
         return run
 
 
-def with_retries(engine: Dgemma, cases: list[tuple[str, str]], first: Run, tries: int) -> list[bool]:
-    """Solved within `tries` attempts: failed puzzles are asked again with new seeds."""
-    solved = first.solved(cases)
-    for k in range(1, tries):
-        failed = [i for i, ok in enumerate(solved) if not ok]
-        if not failed:
-            break
-        again = engine.run(cases, seed_offset=k * RETRY_SEED_STRIDE, only=failed)
-        for i, grid in zip(failed, again.grids):
-            solved[i] = puzzles.is_valid_solution(cases[i][0], grid)
-    return solved
+    def delivered(self, cases: list[tuple[str, str]], overrides: dict, tries: int) -> dict:
+        """As `dgemma run sudoku` delivers it: checker, candidates and self-correction, up to `tries` attempts."""
+        from dgemma_engine.generate import SamplerParams
+
+        from dgemma_cli.sudoku import solve_with_engine
+
+        solved, seconds, candidate_steps, attempts = [], [], 0, 0
+        n_canvases = int(overrides.get("num_canvases", 1))
+        for i, (puzzle, _) in enumerate(cases):
+            spent, ok = 0.0, False
+            for k in range(tries):
+                params = SamplerParams.from_metadata(self.model.metadata, seed=i + k * RETRY_SEED_STRIDE, rng="torch",
+                                                     **overrides)
+                sol = solve_with_engine(self.model, self.tokenizer, puzzle, params, self.ctx, check=True)
+                spent += sol.seconds
+                candidate_steps += sol.candidate_steps
+                attempts += 1
+                ok = puzzles.is_valid_solution(puzzle, sol.grid)
+                if ok:
+                    break
+            solved.append(ok)
+            seconds.append(spent)
+        return {"n": len(cases), "solved": sum(solved), "solve_rate": round(sum(solved) / max(1, len(cases)), 4),
+                "num_canvases": n_canvases, "tries": tries, "mean_attempts": round(attempts / max(1, len(cases)), 2),
+                "mean_steps_per_candidate": round(candidate_steps / max(1, attempts * n_canvases), 2),
+                "s_per_puzzle": round(statistics.fmean(seconds), 4) if seconds else None}
 
 
 def run_transformers(checkpoint: Path, cases: list[tuple[str, str]], threads: int) -> Run:
@@ -128,9 +154,10 @@ def main() -> None:
     ap.add_argument("--hf-n", type=int, default=None, help="puzzles per level through transformers (default: --n)")
     ap.add_argument("--fixed-n", type=int, default=None,
                     help="puzzles per level for the fixed-48-steps run (default: --n; 0 skips it)")
-    ap.add_argument("--tries", type=int, default=4, help="attempts per puzzle for the with-retries rate")
-    ap.add_argument("--tries-n", type=int, default=None, help="puzzles per level for the with-retries rate "
-                    "(default: --n)")
+    ap.add_argument("--modelfile", type=Path, default=REPO / "modelfiles" / "sudoku.Modelfile",
+                    help="the delivered configuration's PARAMETERs")
+    ap.add_argument("--delivered-n", type=int, default=None, help="puzzles per level as `run` delivers them "
+                    "(default: --n; 0 skips it)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", type=Path, default=Path("/tmp/dgemma-sudoku-bench"), help="puzzle set cache")
     ap.add_argument("--json", type=Path, help="write the results here")
@@ -138,10 +165,13 @@ def main() -> None:
     hf_n = args.n if args.hf_n is None else min(args.hf_n, args.n)
     fixed_n = args.n if args.fixed_n is None else min(args.fixed_n, args.n)
 
-    engine = Dgemma(args.gguf, args.threads)
+    from dgemma_cli.sudoku import MAX_TRIES
+
+    overrides = modelfile_sampler(args.modelfile)
+    engine = Dgemma(args.gguf, args.threads, max_canvases=int(overrides.get("num_canvases", 1)))
     results: dict = {"gguf": str(args.gguf), "gguf_type": int(engine.model.metadata["general.file_type"]),
                      "n": args.n, "hf_n": hf_n, "fixed_n": fixed_n, "threads": args.threads, "bench_seed": BENCH_SEED,
-                     "levels": {}}
+                     "modelfile_sampler": overrides, "levels": {}}
     bundle = args.checkpoint / "bundle.json"
     if bundle.is_file():
         results["bundle"] = json.loads(bundle.read_text())
@@ -152,11 +182,9 @@ def main() -> None:
         row = {"adaptive": adaptive.summary(cases)}
         if fixed_n > 0:
             row["fixed48"] = engine.run(cases[:fixed_n], adaptive=False).summary(cases[:fixed_n])
-        tries_n = args.n if args.tries_n is None else min(args.tries_n, args.n)
-        first = Run(adaptive.grids[:tries_n], adaptive.steps[:tries_n], adaptive.seconds[:tries_n])
-        solved = with_retries(engine, cases[:tries_n], first, args.tries)
-        row[f"within_{args.tries}_tries"] = {"n": tries_n, "solved": sum(solved),
-                                             "solve_rate": round(sum(solved) / len(solved), 4)}
+        delivered_n = args.n if args.delivered_n is None else min(args.delivered_n, args.n)
+        if delivered_n > 0:
+            row["delivered"] = engine.delivered(cases[:delivered_n], overrides, MAX_TRIES)
         if hf_n > 0:
             hf = run_transformers(args.checkpoint, cases[:hf_n], args.threads)
             row["transformers"] = hf.summary(cases[:hf_n])
@@ -174,15 +202,16 @@ def main() -> None:
 
 
 def print_table(results: dict) -> None:
-    print("\n| level | solved (adaptive) | mean steps | s/puzzle | solved (fixed 48) | s/puzzle (48) "
-          "| solved (retries) | transformers solved | mean steps (tf) | agreement |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| level | solved as `run` delivers | steps per candidate | s/puzzle | plain model, one canvas | "
+          "mean steps | s/puzzle | solved (fixed 48) | transformers solved | mean steps (tf) | agreement |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for level, row in results["levels"].items():
-        a, f = row["adaptive"], row.get("fixed48") or {}
-        retry = next(v for k, v in row.items() if k.startswith("within_"))
+        a, f, d = row["adaptive"], row.get("fixed48") or {}, row.get("delivered") or {}
         tf, agree = row.get("transformers") or {}, row.get("agreement") or {}
-        cells = [level, f"{a['solve_rate']:.1%} ({a['solved']}/{a['n']})", a["mean_steps"], a["s_per_puzzle"],
-                 f"{f['solve_rate']:.1%}" if f else "-", f.get("s_per_puzzle", "-"), f"{retry['solve_rate']:.1%}",
+        cells = [level, f"{d['solve_rate']:.1%} ({d['solved']}/{d['n']})" if d else "-",
+                 d.get("mean_steps_per_candidate", "-"), d.get("s_per_puzzle", "-"),
+                 f"{a['solve_rate']:.1%} ({a['solved']}/{a['n']})", a["mean_steps"], a["s_per_puzzle"],
+                 f"{f['solve_rate']:.1%}" if f else "-",
                  f"{tf['solve_rate']:.1%} ({tf['solved']}/{tf['n']})" if tf else "-", tf.get("mean_steps", "-"),
                  f"{agree['same_grid']}/{agree['n']}" if agree else "-"]
         print("| " + " | ".join(str(c) for c in cells) + " |")

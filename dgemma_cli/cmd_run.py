@@ -92,6 +92,7 @@ def run(
     entropy_bound: Optional[float] = typer.Option(None, "--entropy-bound", help="entropy bound of the sampler"),
     confidence_threshold: Optional[float] = typer.Option(None, "--confidence-threshold", help="early-stop mean entropy"),
     stability_threshold: Optional[int] = typer.Option(None, "--stability-threshold", help="unchanged steps to stop"),
+    num_canvases: Optional[int] = typer.Option(None, "--num-canvases", help="candidate canvases denoised together"),
     num_predict: Optional[int] = typer.Option(None, "--num-predict", help="token budget (whole canvases are denoised)"),
 ) -> None:
     """Run a model: one answer for a prompt (or piped stdin), else an interactive chat."""
@@ -101,6 +102,7 @@ def run(
     options |= options_from_fields({  # each sampler flag by its setting's field name
         "max_steps": steps, "t_max": t_max, "t_min": t_min, "entropy_bound": entropy_bound,
         "confidence_threshold": confidence_threshold, "stability_threshold": stability_threshold,
+        "num_canvases": num_canvases,
     })
     settings = RunSettings(model=model, options=options, think=parse_think(think), hide_thinking=hidethinking,
                            keep_alive=keepalive, verbose=verbose, visual=visual, wordwrap=not nowordwrap,

@@ -115,24 +115,34 @@ def print_grid(console: Console, puzzle: str, grid: str) -> None:
 @dataclass(frozen=True)
 class Solution:
     grid: str  # 81 chars, '?' where the canvas holds no digit
-    steps: int  # denoising steps used
+    steps: int  # denoising steps of the committed canvas
     seconds: float  # prefill + denoising
+    candidate_steps: int = 0  # denoising steps summed over every candidate canvas (num_canvases)
 
 
-def solve_with_engine(model: Any, tokenizer: Any, puzzle: str, params: Any, ctx: Any = None) -> Solution:
-    """One generation of one canvas on a loaded `dgemma_engine` model (`params`: a SamplerParams)."""
-    from dgemma_engine.generate import CanvasEvent, eos_ids_from_metadata, generate
+def solve_with_engine(model: Any, tokenizer: Any, puzzle: str, params: Any, ctx: Any = None,
+                      check: bool = False) -> Solution:
+    """One generation of one canvas on a loaded `dgemma_engine` model (`params`: a SamplerParams, its num_canvases
+    candidates included). `check`: as the server runs the task, with the Sudoku checker choosing among candidates and
+    sending cells that break a rule back into denoising; else the plain model (the lowest-entropy candidate)."""
+    from dgemma_engine.generate import CanvasEvent, StepEvent, eos_ids_from_metadata, generate
     from dgemma_engine.model import Context
+    from dgemma_engine.tasks import task_checker
 
     prompt = tokenizer.encode(prompt_text(puzzle), special=True)
     own = ctx is None
-    ctx = ctx if ctx is not None else Context(model, n_ctx=len(prompt) + CANVAS, threads=None)
+    ctx = ctx if ctx is not None else Context(model, n_ctx=len(prompt) + CANVAS, threads=None,
+                                              max_canvases=params.num_canvases)
+    checker = task_checker(tokenizer.tokens, CANVAS, prompt) if check else None
+    candidate_steps = 0
     try:
         ctx.reset()
         start = time.perf_counter()
         eos_ids = eos_ids_from_metadata(model.metadata)
-        for event in generate(ctx, prompt, params, max_new_tokens=CANVAS, eos_ids=eos_ids):
-            if isinstance(event, CanvasEvent):
+        for event in generate(ctx, prompt, params, max_new_tokens=CANVAS, eos_ids=eos_ids, checker=checker):
+            if isinstance(event, StepEvent):
+                candidate_steps += event.candidates
+            elif isinstance(event, CanvasEvent):
                 committed = event
         seconds = time.perf_counter() - start
     finally:
@@ -142,7 +152,7 @@ def solve_with_engine(model: Any, tokenizer: Any, puzzle: str, params: Any, ctx:
     if committed.eos_position is not None:  # as transformers: the EOS ends the answer (pad after it)
         canvas = canvas[:committed.eos_position]
     digits = "".join(_digit_of(tokenizer, t) for t in canvas)
-    return Solution(digits.ljust(CANVAS, "?"), committed.steps, seconds)
+    return Solution(digits.ljust(CANVAS, "?"), committed.steps, seconds, candidate_steps)
 
 
 def _digit_of(tokenizer: Any, token_id: int) -> str:

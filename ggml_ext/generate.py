@@ -217,7 +217,7 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
                 text = decoder.feed(ids) + (decoder.flush() if last else "")
             stats = replace(stats, canvases=b + 1, steps_per_canvas=stats.steps_per_canvas + [result.step],
                             committed_tokens=stats.committed_tokens + len(ids))
-            checked = None if checker is None else not cand.failed and not checker.violations(committed)
+            checked = None if checker is None else not cand.failed  # its verdict on the argmax canvas
             yield CanvasEvent(b, ids, text, result.step, committed, eos_position, cand.index, checked)
             if hits:
                 yield finish("eos")

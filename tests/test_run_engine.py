@@ -28,6 +28,19 @@ def env(gguf_path, tmp_path_factory) -> dict[str, str]:
             "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
+def test_candidate_canvases_through_the_server(env):
+    """num_canvases reaches the engine through run's flag and the server's options; same seed, same answer."""
+    short = ["--steps", "6", "--num-predict", "16", "--seed", "3"]
+    first = run_cli(["run", "tiny-a", "Tell me a story", "--num-canvases", "3", *short], env, timeout=180)
+    second = run_cli(["run", "tiny-a", "Tell me a story", "--num-canvases", "3", *short], env, timeout=180)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert first.stdout == second.stdout and first.stdout.strip()
+    refused = run_cli(["run", "tiny-a", "x", "--num-canvases", "17", *short], env, timeout=180)
+    assert refused.returncode == 1
+    assert refused.stderr.strip().splitlines()[-1] == \
+        "Error: invalid value for num_canvases: 17 (must be between 1 and 16)"
+
+
 def test_one_shot_is_reproducible_with_a_seed(env):
     short = ["--steps", "6", "--num-predict", "16"]  # one canvas of the fixture (16 positions), at most 6 steps
     first = run_cli(["run", "tiny-a", "Tell me a story", "--seed", "7", "--verbose", *short], env, timeout=180)
