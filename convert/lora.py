@@ -279,7 +279,7 @@ class PeftSettings:
 
     @property
     def gguf_alpha(self) -> float:
-        """The file's one alpha: the engine scales by alpha / rank, so rsLoRA's alpha / sqrt(r) needs alpha * sqrt(r)."""
+        """The file's one alpha: the engine scales by alpha / rank, so rsLoRA's alpha / sqrt(r) is alpha * sqrt(r)."""
         return self.alpha * math.sqrt(self.r) if self.use_rslora else self.alpha
 
 
@@ -329,7 +329,8 @@ def load_peft_settings(folder: Path) -> PeftSettings:
                             "rank_pattern / alpha_pattern are not supported)")
     use_rslora = bool(config.get("use_rslora"))
     if use_rslora and (ranks or alphas):
-        raise LoraError("use_rslora together with rank_pattern or alpha_pattern is not supported (PEFT refuses it too)")
+        raise LoraError("use_rslora together with rank_pattern or alpha_pattern is not supported (PEFT refuses it "
+                        "too)")
     targets = config.get("target_parameters") or []
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise LoraError(f"{CONFIG_FILE}: target_parameters must be a list of names")

@@ -1,5 +1,7 @@
-"""`dgemma convert HF_DIR --outfile OUT.gguf --outtype TYPE`: HF checkpoint folder -> GGUF (dgemma_convert);
-`dgemma convert --lora PEFT_DIR --outfile OUT.gguf [--base BASE.gguf]`: PEFT adapter -> GGUF LoRA (docs/gguf.md#lora-adapters)."""
+"""`dgemma convert HF_DIR --outfile OUT.gguf --outtype TYPE`: HF checkpoint folder -> GGUF (dgemma_convert).
+
+`dgemma convert --lora PEFT_DIR --outfile OUT.gguf [--base BASE.gguf]`: PEFT adapter folder -> GGUF LoRA file
+(docs/gguf.md#lora-adapters)."""
 from __future__ import annotations
 
 import signal
