@@ -263,6 +263,22 @@ def test_stacked_adapters_apply_in_order_and_round_trip(tmp_path, base, lora_ggu
     assert manifest_layers(store, "again") == manifest_layers(store, "two")
 
 
+def test_two_adapters_with_one_file_name_are_both_applied(tmp_path, base, lora_gguf):
+    env = cli_env(tmp_path)
+    for folder, source in (("one", lora_gguf), ("two", None)):
+        (tmp_path / folder).mkdir()
+        target = tmp_path / folder / "adapter.gguf"
+        if source is None:
+            convert_lora(PEFT_R8, target)
+        else:
+            shutil.copy(source, target)
+    (tmp_path / "Modelfile").write_text(f"FROM {base}\nADAPTER ./one/adapter.gguf\nADAPTER ./two/adapter.gguf\n")
+    code, _, err = in_process(env, "create", "m", "-f", str(tmp_path / "Modelfile"))
+    assert code == 0, err
+    adapters = Store(tmp_path / "store").resolve("m").adapters
+    assert [p.read_bytes() for p in adapters] == [(tmp_path / d / "adapter.gguf").read_bytes() for d in ("one", "two")]
+
+
 def test_show_on_a_public_bind_prints_no_adapter_paths(tmp_path, base, lora_gguf):
     from dgemma_cli.create import create_model
     from dgemma_cli.modelfile import parse_modelfile
