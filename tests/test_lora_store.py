@@ -150,6 +150,17 @@ def test_convert_lora_command_checks_the_base(tmp_path, base, other_base, lora_g
     assert not (tmp_path / "x.gguf").exists()
 
 
+def test_convert_arguments_go_together(tmp_path, base):
+    env, out = cli_env(tmp_path), str(tmp_path / "x.gguf")
+    code, _, err = in_process(env, "convert", "--outfile", out)
+    words = " ".join(err.replace("│", " ").split())  # Rich boxes and wraps usage errors
+    assert code == 2 and "missing: give a checkpoint folder, or --lora PEFT_DIR" in words  # a usage error, as before
+    assert in_process(env, "convert", str(FIXTURES / "tiny-a"), "--lora", str(PEFT), "--outfile", out) == (
+        1, "", "Error: give either a checkpoint folder or --lora, not both\n")
+    assert in_process(env, "convert", str(FIXTURES / "tiny-a"), "--base", str(base), "--outfile", out) == (
+        1, "", "Error: --base goes with --lora\n")
+
+
 def test_rslora_and_alpha_pattern_keep_peft_scales(tmp_path):
     plain = tmp_path / "plain.gguf"
     convert_lora(PEFT_R8, plain)
