@@ -37,12 +37,13 @@ PASSES = ("enc", "dec")  # name prefixes; no prefix = both passes
 # Base weights an adapter may adapt: every matrix of the layout except the embedding and the output head.
 BLOCK_TARGETS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
                  "ffn_up.weight", "ffn_down.weight", "ffn_gate_inp.weight", "ffn_gate_up_exps.weight",
-                 "ffn_down_exps.weight")
+                 "ffn_down_exps.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight")
+FUSED_EXPERTS, SPLIT_EXPERTS = "ffn_gate_up_exps.weight", ("ffn_gate_exps.weight", "ffn_up_exps.weight")
 DECODER_ONLY_TARGETS = ("self_cond_gate.weight", "self_cond_up.weight", "self_cond_down.weight")
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # DiffusionGemmaTextExperts' 3-D parameters, in registration order
-GGUF_FLOAT_TYPES = {"F32": T.F32, "F16": T.F16, "BF16": T.BF16}
+LORA_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0")  # what the engine loads (Q8_0: llama.cpp's --outtype q8_0)
 SAFETENSORS_TO_GGML = {"F32": T.F32, "F16": T.F16, "BF16": T.BF16}
-_LORA_NAME = re.compile(r"(?:(enc|dec)\.)?(.+)\.lora_(a|b)")
+_LORA_NAME = re.compile(r"(?:(" + "|".join(PASSES) + r")\.)?(.+)\.lora_(a|b)")
 _PEFT_KEY = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.lora_([AB])\.weight")
 _BLOCK_TARGET = re.compile(r"blk\.(\d+)\.(.+)")
 _MODULE_PATTERN = re.compile(r"[A-Za-z0-9_.]{1,200}")
@@ -143,8 +144,9 @@ def lora_header_from(metadata: Mapping[str, Any], tensors: Iterable[tuple[str, t
             raise LoraError(f"adapter tensor {name!r} adapts {target!r}, which is not a weight LoRA can target")
         if pass_name == "enc" and target in DECODER_ONLY_TARGETS:
             raise LoraError(f"adapter tensor {name!r}: the encoder has no {target}")
-        if type_name not in GGUF_FLOAT_TYPES:
-            raise LoraError(f"adapter tensor {name!r} has type {type_name}; only F32, F16 and BF16 are supported")
+        if type_name not in LORA_TENSOR_TYPES:
+            raise LoraError(f"adapter tensor {name!r} has type {type_name}; only {', '.join(LORA_TENSOR_TYPES)} "
+                            "are supported")
         halves.setdefault((pass_name, target), {})[half] = tuple(int(d) for d in ne)
     if not halves:
         raise LoraError("the adapter has no tensors")
@@ -177,12 +179,32 @@ def check_against_base(header: LoraHeader, base_architecture: str, base_tensors:
         raise LoraError(f"the adapter was made for architecture {header.architecture!r}, the base is "
                         f"{base_architecture!r}")
     for pair in header.pairs:
-        base = base_tensors.get(pair.target)
+        base = _base_ne(pair.target, base_tensors)
         if base is None:
             raise LoraError(f"the adapter adapts {pair.target}, which the base model does not have")
         if tuple(base) != pair.base_ne:
             raise LoraError(f"the adapter does not fit this base: {pair.target} is {list(base)} in the base but "
                             f"{list(pair.base_ne)} in the adapter (made for another model?)")
+
+
+def _base_ne(target: str, base_tensors: Mapping[str, tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The shape the base gives `target`. The gate and up experts may be fused in one of the two files and split in
+    the other (the engine applies either layout to either): a fused pair then fits the split weights stacked, a
+    split pair half of the fused weight."""
+    if target in base_tensors:
+        return tuple(base_tensors[target])
+    match = _BLOCK_TARGET.fullmatch(target)
+    if match is None:
+        return None
+    blk = f"blk.{match.group(1)}."
+    if match.group(2) == FUSED_EXPERTS:
+        gate, up = (base_tensors.get(blk + name) for name in SPLIT_EXPERTS)
+        if gate is not None and up is not None and (gate[0], gate[2:]) == (up[0], up[2:]):
+            return (gate[0], gate[1] + up[1], *gate[2:])
+    elif match.group(2) in SPLIT_EXPERTS and blk + FUSED_EXPERTS in base_tensors:
+        fused = base_tensors[blk + FUSED_EXPERTS]
+        return (fused[0], fused[1] // 2, *fused[2:])
+    return None
 
 
 def read_lora_header(path: Path) -> LoraHeader:
@@ -257,7 +279,7 @@ class PeftSettings:
 
     @property
     def gguf_alpha(self) -> float:
-        """The file's one alpha: the engine scales by alpha / rank, so rsLoRA's alpha / sqrt(r) needs alpha * sqrt(r)."""
+        """The file's one alpha: the engine scales by alpha / rank, so rsLoRA's alpha / sqrt(r) is alpha * sqrt(r)."""
         return self.alpha * math.sqrt(self.r) if self.use_rslora else self.alpha
 
 
@@ -307,7 +329,8 @@ def load_peft_settings(folder: Path) -> PeftSettings:
                             "rank_pattern / alpha_pattern are not supported)")
     use_rslora = bool(config.get("use_rslora"))
     if use_rslora and (ranks or alphas):
-        raise LoraError("use_rslora together with rank_pattern or alpha_pattern is not supported (PEFT refuses it too)")
+        raise LoraError("use_rslora together with rank_pattern or alpha_pattern is not supported (PEFT refuses it "
+                        "too)")
     targets = config.get("target_parameters") or []
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise LoraError(f"{CONFIG_FILE}: target_parameters must be a list of names")

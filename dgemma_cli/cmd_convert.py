@@ -1,5 +1,7 @@
-"""`dgemma convert HF_DIR --outfile OUT.gguf --outtype TYPE`: HF checkpoint folder -> GGUF (dgemma_convert);
-`dgemma convert --lora PEFT_DIR --outfile OUT.gguf [--base BASE.gguf]`: PEFT adapter -> GGUF LoRA (docs/gguf.md#lora-adapters)."""
+"""`dgemma convert HF_DIR --outfile OUT.gguf --outtype TYPE`: HF checkpoint folder -> GGUF (dgemma_convert).
+
+`dgemma convert --lora PEFT_DIR --outfile OUT.gguf [--base BASE.gguf]`: PEFT adapter folder -> GGUF LoRA file
+(docs/gguf.md#lora-adapters)."""
 from __future__ import annotations
 
 import signal
@@ -13,6 +15,7 @@ OUTTYPES = "f32|f16|bf16|q8_0|q4_0|q4_k_m|q5_k_m|q6_k"
 
 
 def convert(
+    ctx: typer.Context,
     hf_dir: Optional[Path] = typer.Argument(None, help="Hugging Face checkpoint folder"),
     outfile: Path = typer.Option(..., "--outfile", "-o", help="output .gguf path"),
     outtype: str = typer.Option("bf16", "--outtype", help=OUTTYPES),
@@ -31,8 +34,9 @@ def convert(
             raise ConvertError("give either a checkpoint folder or --lora, not both")
         convert_adapter(lora, outfile, base)
         return
-    if hf_dir is None:
-        raise ConvertError("missing the checkpoint folder (or --lora PEFT_DIR)")
+    if hf_dir is None:  # a usage error (exit 2), as when the argument was required
+        param = next(p for p in ctx.command.params if p.name == "hf_dir")
+        raise typer.BadParameter("missing: give a checkpoint folder, or --lora PEFT_DIR", ctx=ctx, param=param)
     if base is not None:
         raise ConvertError("--base goes with --lora")
     # a terminated conversion unwinds like an interrupted one: the temporary output file is removed

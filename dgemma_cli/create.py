@@ -21,8 +21,8 @@ from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gguf_check import GGUFError, GGUFInfo, check_runnable, read_gguf_info
 from dgemma_cli.modelfile import Modelfile, check_parameter_ranges, quote
 from dgemma_cli.names import ModelName
-from dgemma_cli.store import (CONFIG_MEDIA_TYPE, MEDIA_ADAPTER, MEDIA_LICENSE, MEDIA_MESSAGES, MEDIA_MODEL, MEDIA_PARAMS,
-                              MEDIA_SYSTEM, MEDIA_TEMPLATE, Layer, Store, build_manifest, canonical_json)
+from dgemma_cli.store import (CONFIG_MEDIA_TYPE, MEDIA_ADAPTER, MEDIA_LICENSE, MEDIA_MESSAGES, MEDIA_MODEL,
+                              MEDIA_PARAMS, MEDIA_SYSTEM, MEDIA_TEMPLATE, Layer, Store, build_manifest, canonical_json)
 from dgemma_convert.errors import ConvertError
 from dgemma_engine.errors import EngineError
 
@@ -235,12 +235,6 @@ class BaseShapes:
         return cls(info.architecture, {t.name: t.shape for t in info.tensors}, path)
 
 
-def is_peft_folder(folder: Path) -> bool:
-    from dgemma_convert.lora import CONFIG_FILE
-
-    return folder.is_dir() and (folder / CONFIG_FILE).is_file()
-
-
 def modelfile_adapters(mf: Modelfile, base_dir: Path, paths_within: Path | None) -> list[AdapterSource]:
     """The Modelfile's ADAPTERs as sources; a path that does not exist is an error (an adapter is never a name)."""
     sources = []
@@ -283,6 +277,8 @@ def _check_adapter_loadable(model: Path, adapter: Path, label: str) -> None:
 
 
 def check_adapter_folder(source: AdapterSource) -> None:
+    from dgemma_engine.adapters import is_peft_folder
+
     if not is_peft_folder(source.path):
         raise CreateError(f"invalid adapter {source.label}: the folder is not a PEFT adapter "
                           "(adapter_config.json + adapter_model.safetensors)")
@@ -299,7 +295,8 @@ def check_adapter_plan(source: AdapterSource, base: BaseShapes | None) -> None:
         if base is not None:
             check_against_base(plan.header, base.architecture, base.tensors)
     except (LoraError, ConvertError) as exc:
-        raise CreateError(f"invalid adapter {source.label}: {str(exc).replace(str(source.path), source.label)}") from None
+        message = str(exc).replace(str(source.path), source.label)
+        raise CreateError(f"invalid adapter {source.label}: {message}") from None
 
 
 def converted_adapter(source: AdapterSource, out: Path, base: BaseShapes | None) -> Path:
@@ -369,7 +366,8 @@ def create_model(name: ModelName | str, modelfile: Modelfile, store: Store, base
     `base_dir`: folder that relative FROM and ADAPTER paths start from (the Modelfile's folder). `paths_within`: if
     given, local paths are honoured only inside that folder; it defaults to `blobs/` when `base_dir` is the store's
     blobs folder (the server's call), so a client can never make the server open an arbitrary path. `adapters`: the
-    ADAPTER sources when the caller resolved them itself (the server's uploaded blobs) instead of `modelfile.adapter`."""
+    ADAPTER sources when the caller resolved them itself (the server's uploaded blobs), in place of
+    `modelfile.adapters`."""
     try:
         yield from _create_model(name, modelfile, store, base_dir, quantize, paths_within, adapters)
     except OSError as exc:  # unreadable source, full disk: one line, no paths

@@ -117,7 +117,11 @@ def create_request(client: Client, model: str, modelfile: Modelfile, base_dir: P
         if quantize:
             body["quantize"] = quantize
     if adapters:
-        body["adapters"] = dict(_uploaded_adapter(client, source, progress) for source in adapters)
+        body["adapters"] = {}
+        for index, source in enumerate(adapters):
+            name, digest = _uploaded_adapter(client, source, progress)
+            # a map: two adapters with one file name (from two folders) need two keys
+            body["adapters"][name if name not in body["adapters"] else f"{index}-{name}"] = digest
     for key, text in (("template", modelfile.template), ("system", modelfile.system), ("requires", modelfile.requires)):
         if text is not None:  # `SYSTEM ""` is a value too (it clears an inherited system message)
             body[key] = text

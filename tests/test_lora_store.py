@@ -150,6 +150,17 @@ def test_convert_lora_command_checks_the_base(tmp_path, base, other_base, lora_g
     assert not (tmp_path / "x.gguf").exists()
 
 
+def test_convert_arguments_go_together(tmp_path, base):
+    env, out = cli_env(tmp_path), str(tmp_path / "x.gguf")
+    code, _, err = in_process(env, "convert", "--outfile", out)
+    words = " ".join(err.replace("│", " ").split())  # Rich boxes and wraps usage errors
+    assert code == 2 and "missing: give a checkpoint folder, or --lora PEFT_DIR" in words  # a usage error, as before
+    assert in_process(env, "convert", str(FIXTURES / "tiny-a"), "--lora", str(PEFT), "--outfile", out) == (
+        1, "", "Error: give either a checkpoint folder or --lora, not both\n")
+    assert in_process(env, "convert", str(FIXTURES / "tiny-a"), "--base", str(base), "--outfile", out) == (
+        1, "", "Error: --base goes with --lora\n")
+
+
 def test_rslora_and_alpha_pattern_keep_peft_scales(tmp_path):
     plain = tmp_path / "plain.gguf"
     convert_lora(PEFT_R8, plain)
@@ -184,6 +195,24 @@ def test_unsupported_peft_adapters_are_refused(tmp_path, changes, message):
     with pytest.raises(LoraError, match=message.replace("(", r"\(").replace(")", r"\)")):
         convert_lora(peft_copy(tmp_path, **changes), tmp_path / "out.gguf")
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_expert_pairs_fit_fused_and_split_bases():
+    from dgemma_convert.lora import check_against_base, lora_header_from
+
+    meta = {"general.architecture": ARCH, "general.type": "adapter", "adapter.type": "lora", "adapter.lora.alpha": 8.0}
+    H, FFe, E, r = 64, 32, 4, 2
+    fused = lora_header_from(meta, [("dec.blk.0.ffn_gate_up_exps.weight.lora_a", (H, r, E), "F32"),
+                                    ("dec.blk.0.ffn_gate_up_exps.weight.lora_b", (r, 2 * FFe, E), "Q8_0")])
+    split = lora_header_from(meta, [(f"blk.0.ffn_{g}_exps.weight.lora_{h}", (H, r, E) if h == "a" else (r, FFe, E), "F16")
+                                    for g in ("gate", "up") for h in "ab"])
+    fused_base = {"blk.0.ffn_gate_up_exps.weight": (H, 2 * FFe, E)}
+    split_base = {"blk.0.ffn_gate_exps.weight": (H, FFe, E), "blk.0.ffn_up_exps.weight": (H, FFe, E)}
+    for header in (fused, split):
+        for base_tensors in (fused_base, split_base):
+            check_against_base(header, ARCH, base_tensors)
+    with pytest.raises(LoraError, match="does not fit this base"):
+        check_against_base(fused, ARCH, {"blk.0.ffn_gate_exps.weight": (H, 16, E), "blk.0.ffn_up_exps.weight": (H, 16, E)})
 
 
 # ---- create / show / cp / rm through the CLI ----------------------------------------------------------------------
@@ -243,6 +272,22 @@ def test_stacked_adapters_apply_in_order_and_round_trip(tmp_path, base, lora_ggu
     (tmp_path / "Modelfile.shown").write_text(text)
     assert in_process(env, "create", "again", "-f", str(tmp_path / "Modelfile.shown"))[0] == 0
     assert manifest_layers(store, "again") == manifest_layers(store, "two")
+
+
+def test_two_adapters_with_one_file_name_are_both_applied(tmp_path, base, lora_gguf):
+    env = cli_env(tmp_path)
+    for folder, source in (("one", lora_gguf), ("two", None)):
+        (tmp_path / folder).mkdir()
+        target = tmp_path / folder / "adapter.gguf"
+        if source is None:
+            convert_lora(PEFT_R8, target)
+        else:
+            shutil.copy(source, target)
+    (tmp_path / "Modelfile").write_text(f"FROM {base}\nADAPTER ./one/adapter.gguf\nADAPTER ./two/adapter.gguf\n")
+    code, _, err = in_process(env, "create", "m", "-f", str(tmp_path / "Modelfile"))
+    assert code == 0, err
+    adapters = Store(tmp_path / "store").resolve("m").adapters
+    assert [p.read_bytes() for p in adapters] == [(tmp_path / d / "adapter.gguf").read_bytes() for d in ("one", "two")]
 
 
 def test_show_on_a_public_bind_prints_no_adapter_paths(tmp_path, base, lora_gguf):

@@ -271,16 +271,17 @@ class Services:
             path = self.store.blob_path(digest)
             if not path.is_file():
                 raise RequestError(f'blob "{digest}" not found', 404)
-            blobs[PurePosixPath(key).name] = path
+            blobs[key] = path
         peft = {CONFIG_FILE, WEIGHTS_FILE}
-        if not peft & set(blobs):
-            return [AdapterSource(path, name) for name, path in blobs.items()]
-        if set(blobs) != peft:
+        names = {PurePosixPath(key).name: path for key, path in blobs.items()}
+        if not peft & set(names):
+            return [AdapterSource(path, key) for key, path in blobs.items()]
+        if len(blobs) != 2 or set(names) != peft:
             raise RequestError(f"a PEFT adapter is exactly {CONFIG_FILE} and {WEIGHTS_FILE}, got "
                                f"{', '.join(sorted(blobs))}")
         folder = work / "peft-adapter"
         folder.mkdir()
-        for name, path in blobs.items():
+        for name, path in names.items():
             (folder / name).symlink_to(path)
         return [AdapterSource(folder, "PEFT adapter")]
 
