@@ -16,6 +16,21 @@ CONFIGS = REPO / "bench" / "configs"  # bench-mid.json and the released generati
 WORK = REPO / "bench" / "work"
 BENCH_MODEL = WORK / "bench-mid"  # what make_bench_model.py builds
 GGUF_DIR = WORK / "gguf"
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512bw", "avx512vl", "amx_int8")
+
+
+def cpu_info() -> dict:
+    """The CPU every report names: model, logical CPUs and the instruction sets the kernels dispatch on."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    lines = [line.partition(":") for line in info.splitlines()]
+    name = next((v.strip() for k, _, v in lines if k.strip() == "model name"), "unknown")
+    flags = next((set(v.split()) for k, _, v in lines if k.strip() == "flags"), set())
+    return {"name": name, "cores": os.cpu_count(), "flags": [f for f in CPU_FLAGS if f in flags]}
+
+
+def cpu_description() -> str:
+    cpu = cpu_info()
+    return f"{cpu['name']}, {cpu['cores']} CPUs, " + " ".join(cpu["flags"])
 
 
 def bench_parser(doc: str) -> argparse.ArgumentParser:

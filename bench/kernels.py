@@ -22,6 +22,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import common
+
 TYPES = {"q8_0": 8, "q5_0": 6, "q4_K": 12, "q6_K": 14, "iq4_nl": 20, "iq4_xs": 23}
 BLOCK = {"q8_0": 32, "q5_0": 32, "q4_K": 256, "q6_K": 256, "iq4_nl": 32, "iq4_xs": 256}
 
@@ -44,14 +46,6 @@ SHAPES = {
     "mid": [Shape("experts gate_up", 1024, 512, 256, 32, 4), Shape("experts down", 256, 1024, 256, 32, 4),
             Shape("LM head", 1024, 32768, 256, 0, 0)],
 }
-
-
-def cpu_description() -> str:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    wanted = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512bw", "avx512vl")
-    return f"{name}, {os.cpu_count()} CPUs, " + " ".join(f for f in wanted if f in flags)
 
 
 def engine_bench():
@@ -124,7 +118,7 @@ def main() -> None:
     f32_rate = {id(s): 2.0 * s.kd * s.m * s.tokens * (s.n_used or 1) / (numpy_seconds(s, args.reps)[which] / scale)
                 / 1e9 for _, s in shapes}
     run = engine_bench()
-    report = {"cpu": cpu_description(), "threads": args.threads, "clock": "cpu" if args.cpu_time else "wall",
+    report = {"cpu": common.cpu_description(), "threads": args.threads, "clock": "cpu" if args.cpu_time else "wall",
               "path": os.environ.get("DGEMMA_QKERNELS", "auto"), "rows": []}
     print(report["cpu"], f"| {args.threads} threads | {report['clock']} time | DGEMMA_QKERNELS={report['path']}")
     print(f"{'shape':<28} {'type':<6} {'ggml GF/s':>9} {'repack':>7} {'ours GF/s':>9} {'numpy F32':>9} "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -27,18 +26,6 @@ import common
 
 CONFIG = common.CONFIGS / "bench-real6.json"
 PROMPT_TOKENS = 256
-
-
-def cpu_description() -> dict:
-    name, flags = platform.processor() or "unknown", set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            name = value.strip()
-        elif key.strip() == "flags":
-            flags = set(value.split())
-    wanted = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8"]
-    return {"name": name, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
 
 
 def convert(ckpt: Path, outtype: str, out: Path, threads: int) -> float | None:
@@ -98,7 +85,7 @@ def main() -> None:
     a = ap.parse_args()
     text = json.loads(CONFIG.read_text())["text_config"]
     ckpt = common.build_synthetic(CONFIG, a.workdir / f"real6-L{a.layers}", a.layers)
-    report = {"cpu": cpu_description(), "threads": a.threads, "layers": a.layers,
+    report = {"cpu": common.cpu_info(), "threads": a.threads, "layers": a.layers,
               "numpy_sgemm_gflops_lm_head_shape": sgemm_rate(text["hidden_size"], 16384, 256), "types": {}}
     for outtype in a.types.split(","):
         gguf = a.workdir / f"real6-L{a.layers}-{outtype}.gguf"
