@@ -6,6 +6,7 @@ newlines in one message). The history file is `~/.dgemma/history` unless `DGEMMA
 """
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -134,6 +135,10 @@ class Repl:
     # ---- session ---------------------------------------------------------------------------------------------------
 
     def run(self) -> None:
+        # Ctrl-C must stop an answer even when a parent started us with SIGINT ignored or blocked (both survive exec,
+        # and Python then never raises KeyboardInterrupt): an interactive chat takes the default behaviour back.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         self.preload()
         self.replay_model_messages()
         try:
