@@ -780,13 +780,6 @@ DG_API float *dg_context_step_profiled(dg_context *c, const int32_t *ids, int n,
     return step_impl(c, ids, n, 1, use_self_cond, inv_temp, seconds, err, err_len);
 }
 
-// The same for a step over n_canvases candidates (bench/candidates.py).
-DG_API float *dg_context_step_canvases_profiled(dg_context *c, const int32_t *ids, int n, int n_canvases,
-                                                int use_self_cond, float inv_temp, double *seconds, char *err,
-                                                size_t err_len) {
-    return step_impl(c, ids, n, n_canvases, use_self_cond, inv_temp, seconds, err, err_len);
-}
-
 // Overwrite "the previous step's raw logits" (rows × n_vocab floats). Written into the buffer the last step did not
 // use, so a view of the last step's logits stays valid until the next step.
 DG_API int dg_context_set_self_cond(dg_context *c, const float *data, int rows, char *err, size_t err_len) {
