@@ -7,7 +7,8 @@ random bf16 written tensor by tensor without torch) into bench/work/real6-L<laye
 conversion time is reported: the converter's own speed), then runs `dgemma debug generate` in a child process: one
 256-token canvas after a 256-token prompt with early stop off, and reads its `timings` (prefill, one wall time per
 denoising step). Step 1 has no self-conditioning, so self-conditioning ≈ mean(steps 2..) − step 1. Also reported: the
-child's peak RSS against the file size, the CPU (name, flags that matter) and numpy's float32 GEMM rate on the LM head's
+child's peak RSS against the file size; one self-conditioned step profiled node by node in a second child, as seconds
+and GFLOP/s per class (experts, dense products, attention, LM head, self-conditioning, other); the CPU (name, flags that matter) and numpy's float32 GEMM rate on the LM head's
 shape in the same run (the machine's float-GEMM reference).
 """
 from __future__ import annotations
@@ -62,6 +63,48 @@ def run_steps(gguf: Path, steps: int, threads: int) -> dict:
     return {"timings": timings, "peak_rss_bytes": json.loads(proc.stderr.strip().splitlines()[-1])["maxrss"]}
 
 
+# A second child times one self-conditioned step node by node (Context.step_profiled): seconds per class of node.
+SPLIT_CHILD = """
+import json, sys
+import numpy as np
+from dgemma_engine.model import Context, Model
+path, threads, prompt_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with Model.load(path, threads=threads) as m:
+    C = m.hparams.canvas_length
+    with Context(m, n_ctx=prompt_tokens + C, threads=threads) as ctx:
+        ctx.encode([5 + i % 200 for i in range(prompt_tokens)])
+        canvas = np.random.default_rng(0).integers(5, m.hparams.n_vocab, C)
+        ctx.step(canvas)  # the canvas's first step: no self-conditioning
+        ctx.step_profiled(canvas, 1.0)  # warm-up
+        print(json.dumps(ctx.step_profiled(canvas, 1.0)))
+"""
+
+
+def step_split(gguf: Path, threads: int) -> dict[str, float]:
+    """Seconds per class of node in one self-conditioned step (profiled node by node)."""
+    proc = subprocess.run([sys.executable, "-c", SPLIT_CHILD, str(gguf), str(threads), str(PROMPT_TOKENS)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"profiled step failed on {gguf.name}: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def step_flops(text: dict, layers: int, canvas: int = 256, keys: int = PROMPT_TOKENS + 256) -> dict[str, float]:
+    """Floating-point operations of one self-conditioned step per class (2 per multiply-add), first `layers` layers."""
+    H, V, FF, FFe = text["hidden_size"], text["vocab_size"], text["intermediate_size"], text["moe_intermediate_size"]
+    nH, E, K = text["num_attention_heads"], text["num_experts"], text["top_k_experts"]
+    dense = attention = 0
+    for kind in text["layer_types"][:layers]:
+        full = kind == "full_attention"
+        hd = text["global_head_dim"] if full else text["head_dim"]
+        nkv = text["num_global_key_value_heads"] if full else text["num_key_value_heads"]
+        dense += H * nH * hd * 2 + H * nkv * hd * (1 if full else 2) + 3 * H * FF + H * E  # q, o, k (v), MLP, router
+        attention += 2 * keys * nH * hd
+    return {"experts": 2.0 * canvas * K * 3 * H * FFe * layers, "dense": 2.0 * canvas * dense,
+            "attention": 2.0 * canvas * attention, "lm_head": 2.0 * canvas * H * V,
+            "self_cond": 2.0 * canvas * (V * H + 3 * H * FF)}
+
+
 def sgemm_rate(k: int, m: int, n: int, reps: int = 3) -> float:
     """numpy float32 GEMM GFLOP/s for [n, k] · [k, m] (the LM head's shape), best of reps."""
     a = np.random.default_rng(0).standard_normal((n, k), dtype=np.float32)
@@ -97,11 +140,18 @@ def main() -> None:
         entry = {"file_bytes": file_size, "convert_s": seconds, "prefill_s": run["timings"]["prefill_s"],
                  "steps_s": steps, "self_conditioning_s": sc, "peak_rss_bytes": run["peak_rss_bytes"],
                  "rss_over_file_bytes": run["peak_rss_bytes"] - file_size}
+        split = step_split(gguf, a.threads)
+        flops = step_flops(text, a.layers)
+        entry["split_s"] = split
+        entry["split_gflops"] = {k: flops[k] / split[k] / 1e9 for k in flops if split.get(k)}
         report["types"][outtype] = entry
         print(f"{outtype}: file {file_size / 2**30:.2f} GiB, convert {seconds and round(seconds)} s, "
               f"prefill {entry['prefill_s']:.2f} s, steps {', '.join(f'{s:.2f}' for s in steps)} s, "
               f"SC ≈ {sc and round(sc, 2)} s, peak RSS − file {entry['rss_over_file_bytes'] / 2**30:.2f} GiB",
               flush=True)
+        print("  split (profiled SC step): " + ", ".join(
+            f"{k} {v:.2f} s" + (f" ({entry['split_gflops'][k]:.0f} GFLOP/s)" if k in entry["split_gflops"] else "")
+            for k, v in split.items()), flush=True)
     print(json.dumps(report, indent=1))
     if a.json:
         a.json.write_text(json.dumps(report, indent=1) + "\n")

@@ -30,6 +30,8 @@ log = logging.getLogger("dgemma.engine")
 
 _ERR_LEN = 1024
 _MAX_LAYERS = 512  # DG_MAX_LAYERS in engine.h
+# Context.step_profiled's classes of nodes, in dg_profile_class's order (engine.h)
+PROFILE_CLASSES = ("experts", "dense", "attention", "lm_head", "self_cond", "other")
 AdapterSpec = Union[str, os.PathLike, tuple]  # a path, or (path, scale): see dgemma_engine.adapters
 
 
@@ -111,6 +113,7 @@ def _engine() -> ctypes.CDLL:
         "dg_context_reset": (None, [P]),
         "dg_context_encode": (I, [P, P, I, C, S]),
         "dg_context_step_canvases": (P, [P, P, I, I, I, F, C, S]),
+        "dg_context_step_profiled": (P, [P, P, I, I, F, P, C, S]),
         "dg_context_keep_canvases": (I, [P, P, I, C, S]),
         "dg_context_set_self_cond": (I, [P, P, I, C, S]),
         "dg_context_logits": (P, [P]),
@@ -440,6 +443,20 @@ class Context(_Closeable):
         if not ptr:
             raise EngineError(_error(err))
         return self._view(ptr, arr.size)
+
+    def step_profiled(self, canvas_ids, sc_temperature: float | None = None) -> dict[str, float]:
+        """`step` on one canvas, computed node by node: seconds spent per class of node (PROFILE_CLASSES). Slower
+        than `step` by the per-node synchronisation; for benchmarks."""
+        arr = _token_array(np.asarray(canvas_ids).reshape(-1), self._n_vocab, "canvas ids")
+        inv_temp = 0.0 if sc_temperature is None else 1.0 / float(sc_temperature)
+        seconds = np.zeros(len(PROFILE_CLASSES), dtype=np.float64)
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        ptr = _engine().dg_context_step_profiled(self._require(), arr.ctypes.data, arr.size,
+                                                 int(sc_temperature is not None), inv_temp, seconds.ctypes.data, err,
+                                                 _ERR_LEN)
+        if not ptr:
+            raise EngineError(_error(err))
+        return dict(zip(PROFILE_CLASSES, seconds.tolist()))
 
     def keep_canvases(self, keep) -> None:
         """After a step over N candidates: keep those with keep[k] true (their logits move to the front, in order) so

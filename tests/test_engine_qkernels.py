@@ -126,10 +126,12 @@ def first_steps(path: Path, run: dict[str, np.ndarray], calls: int = 3) -> np.nd
 
 @pytest.mark.parametrize("name", ["tiny-a", "tiny-b"])
 @pytest.mark.parametrize("outtype", ["q8_0", "q4_k_m"])
-def test_model_logits_equal_ggml_ops(gguf_path, monkeypatch, name, outtype):
+def test_model_logits_match_ggml_ops(gguf_path, monkeypatch, name, outtype):
     """Whole decoder steps of the quantized fixtures (Q8_0 and Q5_0 experts: their widths are below 256) with the
-    engine's kernels and with ggml's ops: bit-identical logits. (A difference in float summation order alone would
-    not stay small here: it flips roundings of the next product's activation quantization.)"""
+    engine's kernels and with ggml's ops. The Q8_0 kernel sums each block's integers exactly before its one float
+    scaling, where ggml scales eight partial sums, so the logits are not bit-identical: a last-bit difference can
+    flip a rounding of the next product's activation quantization. Asserted: the kernels differ from ggml's ops by a
+    tenth of the quantization's own error at most, and are no further than ggml's ops from the unquantized model."""
     if not AVAILABLE_AVX2:
         pytest.skip(f"this CPU ({platform.machine()}) lacks AVX2/FMA/F16C; ggml's ops run in both")
     with np.load(FIXTURES / name / "golden" / "g1_seed0.npz") as z:
@@ -137,7 +139,29 @@ def test_model_logits_equal_ggml_ops(gguf_path, monkeypatch, name, outtype):
     path = gguf_path(name, outtype)
     monkeypatch.setenv("DGEMMA_QKERNELS", "off")
     ggml = first_steps(path, run)
+    f32 = first_steps(gguf_path(name), run)
     monkeypatch.setenv("DGEMMA_QKERNELS", "avx2")
     ours = first_steps(path, run)
-    # AVX2: the same f32 operations per lane as ggml's AVX2 dot products for these types (docs/engine.md)
-    np.testing.assert_array_equal(ours, ggml)
+    quantization_error = np.abs(ggml - f32)
+    assert np.abs(ours - ggml).max() <= 0.1 * quantization_error.max()
+    assert np.abs(ours - f32).mean() <= 1.02 * quantization_error.mean()
+
+
+def test_profiled_step_splits_its_time_by_class(gguf_path):
+    """Context.step_profiled (bench/real_shapes.py's split): every class of the Q8_0 fixture's self-conditioned step
+    gets its time, the weight products included, and the logits are the plain step's."""
+    from dgemma_engine.model import PROFILE_CLASSES
+
+    with Model.load(gguf_path("tiny-a", "q8_0"), threads=2) as m, Context(m, n_ctx=64, threads=2) as ctx:
+        ctx.encode([5, 6, 7, 8])
+        canvas = np.arange(m.hparams.canvas_length) % 50 + 3
+        first = ctx.step(canvas).copy()
+        split = ctx.step_profiled(canvas, 1.0)
+        profiled = ctx.logits().copy()
+        ctx.set_self_cond_logits(first)
+        plain = ctx.step(canvas, 1.0).copy()  # the same inputs: the same logits
+    assert tuple(split) == PROFILE_CLASSES
+    assert all(v >= 0 for v in split.values())
+    for cls in ("experts", "dense", "attention", "lm_head", "self_cond"):
+        assert split[cls] > 0, (cls, split)
+    np.testing.assert_array_equal(profiled, plain)

@@ -88,6 +88,29 @@ static double now_s(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
+static bool is_weight(const struct ggml_tensor *t) {
+    return t->buffer && ggml_backend_buffer_get_usage(t->buffer) == GGML_BACKEND_BUFFER_USAGE_WEIGHTS;
+}
+
+// The class of a node by the weight it reads (activation quantization nodes carry their weight's name).
+static dg_profile_class profile_class(const struct ggml_tensor *node, int64_t n_vocab) {
+    const char *w = NULL;
+    for (int i = 0; i < GGML_MAX_SRC && node->src[i] && !w; i++)
+        if (is_weight(node->src[i]) && ggml_nelements(node->src[i]) > node->src[i]->ne[0]) w = node->src[i]->name;
+    const bool quantizes = !w && strstr(node->name, ".weight");  // only the output product quantizes for token_embd
+    if (quantizes) w = node->name;
+    if (w && node->op != GGML_OP_GET_ROWS) {
+        if (strstr(w, "_exps")) return DG_PROFILE_EXPERTS;
+        if (strstr(w, "self_cond")) return DG_PROFILE_SELF_COND;
+        if (!strncmp(w, "token_embd", 10) || !strncmp(w, "output.", 7))
+            return quantizes || node->ne[0] == n_vocab ? DG_PROFILE_LM_HEAD : DG_PROFILE_SELF_COND;  // soft embedding
+        if (!strncmp(w, "blk.", 4)) return DG_PROFILE_DENSE;
+    }
+    if (node->ne[0] == n_vocab) return node->op == GGML_OP_SOFT_MAX ? DG_PROFILE_SELF_COND : DG_PROFILE_LM_HEAD;
+    if (node->op == GGML_OP_MUL_MAT || node->op == GGML_OP_SOFT_MAX) return DG_PROFILE_ATTENTION;
+    return DG_PROFILE_OTHER;
+}
+
 // The scheduler computes a node on its own when this callback asks to observe it (ask), then hands it over: the time
 // in between is the node's wall time (with its split's input copies, on the first node of a split).
 static bool profile_node(struct ggml_tensor *node, bool ask, void *user) {
@@ -96,19 +119,11 @@ static bool profile_node(struct ggml_tensor *node, bool ask, void *user) {
         c->profile_t0 = now_s();
         return true;
     }
-    const double dt = now_s() - c->profile_t0;
-    c->profile[node->op] += dt;
-    if (getenv("DGEMMA_PROFILE_NODES") && node->src[0]) {  // one line per node, for bench notes
-            const struct ggml_tensor *a = node->src[0], *b = node->src[1] ? node->src[1] : node->src[0];
-            fprintf(stderr, "%s %s [%lld,%lld,%lld] x %s [%lld,%lld,%lld] -> [%lld,%lld,%lld] %.6f\n",
-                    ggml_op_desc(node), ggml_type_name(a->type), (long long)a->ne[0], (long long)a->ne[1], (long long)a->ne[2],
-                    ggml_type_name(b->type), (long long)b->ne[0], (long long)b->ne[1], (long long)b->ne[2],
-                    (long long)node->ne[0], (long long)node->ne[1], (long long)node->ne[2], dt);
-    }
+    c->profile[profile_class(node, c->model->hp.n_vocab)] += now_s() - c->profile_t0;
     return true;
 }
 
-// Profiling variant (bench/step.py): the graph node by node, adding each node's wall time to seconds[op].
+// Profiling variant (bench/real_shapes.py): the graph node by node, adding each node's wall time to its class.
 static bool compute_profiled(dg_context *c, struct ggml_cgraph *gf, double *seconds, char *err, size_t err_len) {
     c->profile = seconds;
     ggml_backend_sched_set_eval_callback(c->sched, profile_node, c);
@@ -400,7 +415,7 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
     const bool head_fast = dg_unit_fast(m, m->hp.n_layer);
     struct ggml_tensor *logits = dg_build_weight_matmul(ctx, dg_lm_head(m), x, head_fast);  // [V, n]
     const float cap = m->hp.logit_softcap;
-    logits = dg_build_softcap(ctx, logits, cap);
+    logits = dg_build_softcap(ctx, logits, cap, head_fast);
     struct ggml_tensor *dst = ggml_view_2d(ctx, c->logits[out], V, n, c->logits[out]->nb[1], 0);
     ggml_build_forward_expand(g->gf, ggml_cpy(ctx, logits, dst));
     return true;
@@ -774,7 +789,7 @@ DG_API int dg_context_keep_canvases(dg_context *c, const uint8_t *keep, int n_ca
     return kept;
 }
 
-// The same step, timed node by node: seconds[op] += time of each node (GGML_OP_COUNT entries).
+// The same step, timed node by node: seconds[class] += each node's time (DG_PROFILE_COUNT entries, dg_profile_class).
 DG_API float *dg_context_step_profiled(dg_context *c, const int32_t *ids, int n, int use_self_cond, float inv_temp,
                                        double *seconds, char *err, size_t err_len) {
     return step_impl(c, ids, n, 1, use_self_cond, inv_temp, seconds, err, err_len);

@@ -157,9 +157,20 @@ typedef struct dg_context {
     int steps_n_past;
     int steps_n_rows;
     int steps_n_canvases;
-    double *profile;  // while a profiled step runs: seconds per op (the scheduler's eval callback adds to it)
+    double *profile;  // while a profiled step runs: seconds per class (dg_profile_class; the eval callback adds to it)
     double profile_t0;
 } dg_context;
+
+// Where a profiled step's time goes (dg_context_step_profiled; bench/real_shapes.py names them in this order).
+typedef enum {
+    DG_PROFILE_EXPERTS,    // expert products and their activation quantization
+    DG_PROFILE_DENSE,      // the layers' dense weight products (attention projections, dense MLP, router)
+    DG_PROFILE_ATTENTION,  // q·k, softmax, p·v
+    DG_PROFILE_LM_HEAD,    // the output product and the softcap
+    DG_PROFILE_SELF_COND,  // softmax over the vocabulary, the soft embedding, the self-conditioning MLP
+    DG_PROFILE_OTHER,      // norms, RoPE, routing, copies, ...
+    DG_PROFILE_COUNT
+} dg_profile_class;
 
 // model.c
 // check_only: parse and bind every tensor as a load does, but allocate nothing (what `create` runs on a file).
@@ -181,7 +192,7 @@ struct ggml_tensor *dg_build_layer(struct ggml_context *ctx, struct ggml_cgraph 
                                    bool kv_only);
 struct ggml_tensor *dg_build_rmsw(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x,
                                   struct ggml_tensor *w);
-struct ggml_tensor *dg_build_softcap(struct ggml_context *ctx, struct ggml_tensor *x, float cap);
+struct ggml_tensor *dg_build_softcap(struct ggml_context *ctx, struct ggml_tensor *x, float cap, bool fast);
 // the self-conditioning MLP on x [H, n] with its adapters' deltas; on the CPU with the fused GELU custom op, else
 // the same arithmetic from standard ops (any backend)
 struct ggml_tensor *dg_build_self_cond_mlp(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x);

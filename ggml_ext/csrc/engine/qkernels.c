@@ -181,12 +181,14 @@ static void quantize_op(struct ggml_tensor *dst, int ith, int nth, void *userdat
     }
 }
 
-static struct ggml_tensor *build_quantize(struct ggml_context *ctx, const qtype *q, struct ggml_tensor *x,
-                                          dg_qk_path path) {
+// named after the weight (a profiled step counts it with its product)
+static struct ggml_tensor *build_quantize(struct ggml_context *ctx, const qtype *q, const struct ggml_tensor *w,
+                                          struct ggml_tensor *x, dg_qk_path path) {
     const act_layout l = layout_of(q, x->ne[0]);
     struct ggml_tensor *args[1] = {x};
-    return ggml_custom_4d(ctx, GGML_TYPE_I8, (int64_t)l.stride, x->ne[1], x->ne[2], 1, args, 1, quantize_op,
-                          GGML_N_TASKS_MAX, pack(q->type, path));
+    struct ggml_tensor *xq = ggml_custom_4d(ctx, GGML_TYPE_I8, (int64_t)l.stride, x->ne[1], x->ne[2], 1, args, 1,
+                                            quantize_op, GGML_N_TASKS_MAX, pack(q->type, path));
+    return ggml_set_name(xq, w->name);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -211,14 +213,14 @@ static void product_op(struct ggml_tensor *dst, int ith, int nth, void *userdata
     // bucket the (k, t) pairs by expert (counting sort; every thread builds the same lists): the rows of expert e are
     // [start[e], start[e + 1]) in xs / ys. One small allocation per call and thread (KiBs) plus the kernel scratch.
     const int64_t pairs = K * T;
-    const size_t scratch_floats = 16 * (size_t)l.nb * DG_QK_ROW_CHUNK;
-    void *block = malloc(sizeof(int64_t) * (size_t)(E + 2) + 2 * sizeof(void *) * (size_t)pairs +
-                         sizeof(float) * scratch_floats);
+    const size_t lists = sizeof(int64_t) * (size_t)(E + 2) + 2 * sizeof(void *) * (size_t)pairs;
+    const size_t scratch_bytes = DG_QK_SCRATCH_BYTES * (size_t)l.nb * DG_QK_ROW_CHUNK;
+    void *block = malloc(lists + 64 + scratch_bytes);
     if (!block) abort();  // a custom op cannot report failure; out of memory for a few KiB the process is lost anyway
     int64_t *start = block;
     const uint8_t **xs = (const uint8_t **)(start + E + 2);
     float **ys = (float **)(xs + pairs);
-    float *scratch = (float *)(ys + pairs);
+    float *scratch = (float *)(((uintptr_t)block + lists + 63) & ~(uintptr_t)63);
     memset(start, 0, sizeof(int64_t) * (size_t)(E + 2));
     const int32_t *expert_of = ids ? ids->data : NULL;  // ids is contiguous [K, T] (checked when built)
     for (int64_t p = 0; p < pairs; p++) {
@@ -262,7 +264,7 @@ struct ggml_tensor *dg_build_qexpert_matmul(struct ggml_context *ctx, struct ggm
         ids->ne[2] != 1 || ids->ne[3] != 1 || ids->ne[0] < 1 || ids->ne[1] != x->ne[2] ||
         (x->ne[1] != 1 && x->ne[1] != ids->ne[0]) || w->ne[2] < 1 || w->ne[2] > INT32_MAX)
         return NULL;
-    struct ggml_tensor *args[3] = {w, build_quantize(ctx, &q, x, path), ids};
+    struct ggml_tensor *args[3] = {w, build_quantize(ctx, &q, w, x, path), ids};
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], ids->ne[0], ids->ne[1], 1, args, 3, product_op,
                           GGML_N_TASKS_MAX, pack(w->type, path));
 }
@@ -271,7 +273,7 @@ struct ggml_tensor *dg_build_qmatmul(struct ggml_context *ctx, struct ggml_tenso
                                      dg_qk_path path) {
     qtype q;
     if (!weight_ok(w, x, path, &q) || w->ne[2] != 1 || x->ne[2] != 1 || x->ne[1] < 1) return NULL;
-    struct ggml_tensor *args[2] = {w, build_quantize(ctx, &q, x, path)};
+    struct ggml_tensor *args[2] = {w, build_quantize(ctx, &q, w, x, path)};
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, product_op, GGML_N_TASKS_MAX,
                           pack(w->type, path));
 }

@@ -42,11 +42,13 @@ typedef struct dg_qk_job {
     int64_t n_rows, n0, n1;
     int64_t nb;               // blocks per row: 32-element blocks, or 256-element super-blocks for K-quants
     size_t side;              // byte offset of an activation row's side floats (see qkernels.c, activation layout)
-    float *scratch;           // per-thread scratch of 16·nb·DG_QK_ROW_CHUNK floats
+    float *scratch;           // per-thread scratch, 64-byte aligned: DG_QK_SCRATCH_BYTES·nb·DG_QK_ROW_CHUNK
 } dg_qk_job;
 
 typedef void (*dg_qk_kernel)(const dg_qk_job *job);
-#define DG_QK_ROW_CHUNK 32  // weight rows a kernel prepares at once (scratch: 16 floats per block and row)
+#define DG_QK_ROW_CHUNK 32  // weight rows a kernel prepares at once
+// scratch bytes per block and row of a chunk (decoded scales; Q8_0's interleaved blocks take 288 per 8 rows)
+#define DG_QK_SCRATCH_BYTES 64
 
 // NULL when the path has no kernel for that type.
 dg_qk_kernel dg_qk_scalar_kernel(enum ggml_type type);

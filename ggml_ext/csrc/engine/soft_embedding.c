@@ -19,7 +19,7 @@
 #define DG_X86 1
 #endif
 
-enum { KC = 128, NC = 256, MR = 6, NR = 16 };  // NC is a multiple of every ggml block size (32 and 256)
+enum { KC = 128, NC = 256, MR = 6, NR = 16, MC = 16 * MR };  // NC is a multiple of every ggml block size (32 and 256)
 
 // One panel: KC vocabulary rows × NC embedding columns, both operands packed so that a tile reads contiguous memory.
 typedef struct {
@@ -58,6 +58,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void tile_avx2(
     for (int i = 0; i < MR_; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     const float *b = pn->b + (size_t)(j / NR) * KC * NR, *ap = pn->a + (size_t)(t0 / MR) * KC * MR;
     const int64_t kc = pn->kc;
+    // the output rows lie H floats apart, far from L1: fetch them while the products run, not at the end
+    for (int i = 0; i < MR_; i++) _mm_prefetch((const char *)(pn->y + (size_t)(t0 + i) * pn->ldy + j), _MM_HINT_T0);
     for (int64_t k = 0; k < kc; k++, b += NR, ap += MR) {
         const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
         for (int i = 0; i < MR_; i++) {
@@ -83,10 +85,12 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void tile_avx2(
     }
 }
 
+// Tokens go in groups of MC so that a group's probabilities and outputs stay in L2 beside the panel.
 __attribute__((target("avx2,fma"))) static void panel_avx2(const panel *pn, int64_t n) {
+    for (int64_t m0 = 0; m0 < n; m0 += MC)
     for (int64_t j = 0; j < pn->nc; j += NR) {
         const int nr = pn->nc - j < NR ? (int)(pn->nc - j) : NR;
-        for (int64_t t0 = 0; t0 < n; t0 += MR) {
+        for (int64_t t0 = m0; t0 < n && t0 < m0 + MC; t0 += MR) {
             switch (n - t0 < MR ? n - t0 : MR) {  // constant tile heights, so the accumulators stay in registers
                 case 6: tile_avx2(pn, t0, 6, j, nr); break;
                 case 5: tile_avx2(pn, t0, 5, j, nr); break;
@@ -156,6 +160,53 @@ DEFINE_DEQUANT(portable, )
 DEFINE_DEQUANT(avx2, __attribute__((target("avx2,fma"))))
 #endif
 
+#ifdef DG_X86
+// Straight into the panel's strips (row k of each NR-column strip), for the two embedding types; the same products
+// as the row dequantizers above, so the same floats.
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+AVX2 static inline void store8(float *strips, int64_t k, int64_t e, __m256 v) {
+    _mm256_store_ps(strips + (size_t)(e / NR) * KC * NR + k * NR + e % NR, v);
+}
+
+// one super-block (256 columns, first column e0 of the panel) of a Q6_K row
+AVX2 static void strips_q6_K(const void *src, float *strips, int64_t k, int64_t e0) {
+    const block_q6_K_layout *b = src;
+    const float d = _cvtsh_ss(b->d);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    for (int half = 0; half < 2; half++) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * half));
+        for (int quarter = 0; quarter < 4; quarter++) {
+            const __m256i ql = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * half + 32 * (quarter & 1)));
+            const __m256i low = quarter < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
+            const __m256i high = _mm256_and_si256(quarter == 0   ? _mm256_slli_epi16(qh, 4)
+                                                  : quarter == 1 ? _mm256_slli_epi16(qh, 2)
+                                                  : quarter == 2 ? qh
+                                                                 : _mm256_srli_epi16(qh, 2),
+                                                  m2);
+            const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, high), off);  // q − 32 as int8
+            const int8_t *sc = b->scales + 8 * half + 2 * quarter;
+            const __m256 s0 = _mm256_set1_ps(d * (float)sc[0]), s1 = _mm256_set1_ps(d * (float)sc[1]);
+            const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+            const int64_t e = e0 + 128 * half + 32 * quarter;
+            store8(strips, k, e, _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo))));
+            store8(strips, k, e + 8, _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)))));
+            store8(strips, k, e + 16, _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))));
+            store8(strips, k, e + 24, _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))));
+        }
+    }
+}
+
+// one 32-column block of a Q8_0 row
+AVX2 static void strips_q8_0(const void *src, float *strips, int64_t k, int64_t e0) {
+    const block_q8_0_layout *b = src;
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(b->d));
+    for (int v = 0; v < 4; v++) {
+        const __m128i q = _mm_loadl_epi64((const __m128i *)(b->qs + 8 * v));
+        store8(strips, k, e0 + 8 * v, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+    }
+}
+#endif
+
 // The row dequantizer for `type` (NULL: a plain copy of F32).
 ggml_to_float_t dg_row_dequantizer(enum ggml_type type, bool avx2) {
     switch (type) {
@@ -210,6 +261,13 @@ static void soft_embedding_op(struct ggml_tensor *dst, int ith, int nth, void *u
                 memset(row_f32, 0, sizeof(float) * NC);  // zero padding of the last strip stays zero
                 for (int64_t k = 0; k < kc; k++) {
                     const char *row = (const char *)e->data + (size_t)(v0 + k) * e->nb[1] + (size_t)(h0 / blck) * type_size;
+#ifdef DG_X86
+                    if (avx2 && nc == NC && (e->type == GGML_TYPE_Q6_K || e->type == GGML_TYPE_Q8_0)) {
+                        for (int64_t c = 0; c < NC; c += blck)
+                            (e->type == GGML_TYPE_Q6_K ? strips_q6_K : strips_q8_0)(row + (size_t)(c / blck) * type_size, buf, k, c);
+                        continue;
+                    }
+#endif
                     if (!to_float) memcpy(row_f32, row, sizeof(float) * (size_t)nc);
                     else to_float(row, row_f32, nc);
                     for (int64_t j = 0; j < nc; j += NR) memcpy(buf + (size_t)(j / NR) * KC * NR + k * NR, row_f32 + j, sizeof(float) * NR);
