@@ -117,7 +117,7 @@ def match_checkpoint(p: ConversionPlan, ckpt: Checkpoint) -> dict[str, TensorEnt
     return sources
 
 
-def convert(hf_dir: Path, outfile: Path, outtype: str, *, threads: int | None = None,
+def convert(hf_dir: Path, outfile: Path, outtype: str | OutType, *, threads: int | None = None,
             progress: ProgressSink | None = None) -> ConversionResult:
     """Convert a DiffusionGemma checkpoint folder to one GGUF file (atomically: temp file + rename)."""
     started = time.monotonic()

@@ -42,8 +42,9 @@ OUT_TYPES = {
 }
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 
-# llama-quantize's fallback when a row length is not a multiple of the K-quant block (256): same family, 32-wide.
-K_QUANT_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+# llama-quantize's fallback when a row length is not a multiple of the K-quant block (256): same family, 32-wide
+# (IQ4_XS: no `--outtype` writes it; bench/real_shapes.py's IQ4_XS-experts mix does).
+K_QUANT_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0, T.IQ4_XS: T.IQ4_NL}
 
 
 def parse_outtype(name: str) -> OutType:

@@ -415,9 +415,8 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
     const bool head_fast = dg_unit_fast(m, m->hp.n_layer);
     struct ggml_tensor *logits = dg_build_weight_matmul(ctx, dg_lm_head(m), x, head_fast);  // [V, n]
     const float cap = m->hp.logit_softcap;
-    logits = dg_build_softcap(ctx, logits, cap, head_fast);
     struct ggml_tensor *dst = ggml_view_2d(ctx, c->logits[out], V, n, c->logits[out]->nb[1], 0);
-    ggml_build_forward_expand(g->gf, ggml_cpy(ctx, logits, dst));
+    ggml_build_forward_expand(g->gf, dg_build_softcap_into(ctx, logits, cap, dst, head_fast));
     return true;
 }
 

@@ -192,7 +192,8 @@ struct ggml_tensor *dg_build_layer(struct ggml_context *ctx, struct ggml_cgraph 
                                    bool kv_only);
 struct ggml_tensor *dg_build_rmsw(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x,
                                   struct ggml_tensor *w);
-struct ggml_tensor *dg_build_softcap(struct ggml_context *ctx, struct ggml_tensor *x, float cap, bool fast);
+struct ggml_tensor *dg_build_softcap_into(struct ggml_context *ctx, struct ggml_tensor *x, float cap,
+                                          struct ggml_tensor *dst, bool fast);
 // the self-conditioning MLP on x [H, n] with its adapters' deltas; on the CPU with the fused GELU custom op, else
 // the same arithmetic from standard ops (any backend)
 struct ggml_tensor *dg_build_self_cond_mlp(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x);

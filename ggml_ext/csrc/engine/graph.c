@@ -103,8 +103,9 @@ static bool cpu_has_avx2_fma(void) {
 }
 #endif
 
+// dst (src[0], the destination written in place) = softcap of src[1]
 static void softcap_op(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
-    const struct ggml_tensor *x = dst->src[0];
+    const struct ggml_tensor *x = dst->src[1];
     float cap;
     memcpy(&cap, &userdata, sizeof cap);
     const int64_t n = x->ne[0], rows = ggml_nrows(x);
@@ -124,13 +125,21 @@ static void softcap_op(struct ggml_tensor *dst, int ith, int nth, void *userdata
     }
 }
 
-struct ggml_tensor *dg_build_softcap(struct ggml_context *ctx, struct ggml_tensor *x, float cap, bool fast) {
-    if (!fast || x->type != GGML_TYPE_F32 || x->nb[0] != sizeof(float) || ggml_n_dims(x) > 2)
-        return ggml_scale_bias(ctx, ggml_sigmoid(ctx, ggml_scale(ctx, x, 2.0f / cap)), 2.0f * cap, -cap);
+// Writes the softcapped x into dst ([V, n] views alike). On the CPU (fast, dst in host memory) one pass straight into
+// dst; otherwise ggml's three ops and a copy.
+struct ggml_tensor *dg_build_softcap_into(struct ggml_context *ctx, struct ggml_tensor *x, float cap,
+                                          struct ggml_tensor *dst, bool fast) {
+    const struct ggml_tensor *base = dst->view_src ? dst->view_src : dst;  // a view gets its buffer when allocated
+    const bool one_pass = fast && x->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32 &&
+                          ggml_are_same_shape(x, dst) && x->nb[0] == sizeof(float) && dst->nb[0] == sizeof(float) &&
+                          ggml_n_dims(x) <= 2 && base->buffer && ggml_backend_buffer_is_host(base->buffer);
+    if (!one_pass)
+        return ggml_cpy(ctx, ggml_scale_bias(ctx, ggml_sigmoid(ctx, ggml_scale(ctx, x, 2.0f / cap)), 2.0f * cap, -cap),
+                        dst);
     void *userdata = NULL;
     memcpy(&userdata, &cap, sizeof cap);
     struct ggml_tensor *args[1] = {x};
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, x->ne[0], x->ne[1], 1, 1, args, 1, softcap_op, GGML_N_TASKS_MAX, userdata);
+    return ggml_custom_inplace(ctx, dst, args, 1, softcap_op, GGML_N_TASKS_MAX, userdata);
 }
 
 // w·x plus an adapters' delta b·(a·x) (x: [n_in, T]); d NULL or empty: w·x alone

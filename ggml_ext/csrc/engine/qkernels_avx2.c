@@ -8,8 +8,9 @@
 // Where the weights unpack to
 // small unsigned integers (Q5_0: 0..31, Q4_K: 0..15, Q6_K: 0..63) they are the unsigned operand of vpmaddubsw and
 // the offset is taken back out with the activation block sums; Q8_0 and IQ4 weights are signed, so the sign moves
-// onto the activations (|w| × sign(x, w)), as in ggml. Compiled with target attributes and chosen at run time
-// (qkernels.c).
+// onto the activations (|w| × sign(x, w)), as in ggml. The 32-element types (Q8_0, Q5_0, IQ4_NL) take eight weight
+// rows per instruction instead (see tile8), the one-row tiles only for the rows left over. Compiled with target
+// attributes and chosen at run time (qkernels.c).
 #include <string.h>
 
 #include "qkernels.h"
@@ -86,118 +87,6 @@ TARGET static void block_scales(const dg_qk_job *job, int64_t j0, int64_t j1, si
 
 #define W_ROW(T, j) ((const T *)(job->w + (size_t)(j) * job->w_row))
 
-// The job of a type whose tile takes f32 block scales (NAME##_tile): per chunk of weight rows, the rows' scales, then
-// every row against each tile of routed inputs. NAME##_TILE(n) must name the tile call (SCALED_TILE).
-#define SCALED_TILE(NAME, BLOCK, n)                                                                                \
-    for (int64_t j = j0; j < j1; j++)                                                                              \
-    NAME##_tile(W_ROW(BLOCK, j), job->scratch + (j - j0) * job->nb, job->x + r, job->y + r, j, job->nb, job->side, n)
-#define DEFINE_SCALED_JOB(NAME, BLOCK)                                                                             \
-    TARGET static void NAME##_job(const dg_qk_job *job) {                                                          \
-        for (int64_t j0 = job->n0; j0 < job->n1; j0 += DG_QK_ROW_CHUNK) {                                          \
-            const int64_t j1 = j0 + DG_QK_ROW_CHUNK < job->n1 ? j0 + DG_QK_ROW_CHUNK : job->n1;                    \
-            block_scales(job, j0, j1, sizeof(BLOCK), job->scratch);                                                \
-            FOR_EACH_TILE(6, job->n_rows, NAME##_TILE);                                                            \
-        }                                                                                                          \
-    }
-
-#define q8_0_TILE(n) SCALED_TILE(q8_0, dg_block_q8_0, n)
-
-// Eight weight rows at once. Their blocks are interleaved into the scratch (per block: eight vectors, vector c holding
-// bytes 4c..4c+3 of each row, then the rows' eight f32 scales), so that one vpmaddubsw multiplies four elements of
-// all eight rows with four broadcast activations. The eight s32 lanes are then the eight rows' sums: the block's
-// float scaling is one multiply-add for eight outputs, not one per output as in q8_0_tile.
-typedef struct {
-    __m256i w[8];
-    float d[8];
-} q8_0_block8;
-
-// 8×8 transpose of 32-bit words: out[c] word r = in[r] word c
-INLINE void transpose8x32(__m256i v[8]) {
-    __m256i t[8], u[8];
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);      // r0c0 r1c0 r0c1 r1c1 | r0c4 r1c4 r0c5 r1c5
-        t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);  // r0c2 r1c2 r0c3 r1c3 | ...c6, c7
-    }
-    for (int i = 0; i < 2; i++) {
-        for (int h = 0; h < 2; h++) {
-            u[4 * i + 2 * h] = _mm256_unpacklo_epi64(t[4 * i + h], t[4 * i + 2 + h]);      // r0..r3 of c(2h) | c(2h+4)
-            u[4 * i + 2 * h + 1] = _mm256_unpackhi_epi64(t[4 * i + h], t[4 * i + 2 + h]);  // r0..r3 of c(2h+1) | ...
-        }
-    }
-    for (int c = 0; c < 4; c++) {  // u[c]: rows 0..3 of columns c (low) and c + 4 (high); u[4 + c]: rows 4..7
-        v[c] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x20);
-        v[c + 4] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x31);
-    }
-}
-
-TARGET static void q8_0_interleave(const dg_qk_job *job, int64_t j0, q8_0_block8 *out) {
-    for (int64_t i = 0; i < job->nb; i++, out++) {
-        __m256i v[8];
-        for (int r = 0; r < 8; r++) {
-            const dg_block_q8_0 *b = W_ROW(dg_block_q8_0, j0 + r) + i;
-            v[r] = load256(b->qs);
-            out->d[r] = half_to_float(b->d);
-        }
-        transpose8x32(v);
-        for (int c = 0; c < 8; c++) out->w[c] = v[c];
-    }
-}
-
-INLINE void q8_0_tile8(const q8_0_block8 *wb, const uint8_t **x, float **y, int64_t j0, int64_t nb, size_t side,
-                       const int NR) {
-    __m256 acc[4];
-    const dg_block_q8_0 *xb[4];
-    const float *dx[4];
-    for (int b = 0; b < NR; b++) {
-        acc[b] = _mm256_setzero_ps();
-        xb[b] = (const dg_block_q8_0 *)x[b];
-        dx[b] = (const float *)(x[b] + side);
-    }
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t i = 0; i < nb; i++) {
-        __m256i si[4];
-        for (int b = 0; b < NR; b++) si[b] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; c++) {
-            const __m256i wv = _mm256_load_si256(&wb[i].w[c]);
-            const __m256i aw = _mm256_sign_epi8(wv, wv);
-            for (int b = 0; b < NR; b++) {
-                int32_t four;
-                memcpy(&four, xb[b][i].qs + 4 * c, sizeof four);
-                const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(four), wv);
-                si[b] = _mm256_add_epi32(si[b], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
-            }
-        }
-        const __m256 d = _mm256_load_ps(wb[i].d);
-        for (int b = 0; b < NR; b++)
-            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(dx[b] + i)), _mm256_cvtepi32_ps(si[b]),
-                                     acc[b]);
-    }
-    for (int b = 0; b < NR; b++) _mm256_storeu_ps(y[b] + j0, acc[b]);
-}
-
-TARGET static void q8_0_job(const dg_qk_job *job) {
-    // whole groups of eight rows interleaved (288 bytes per block in the scratch), the rest row by row
-    q8_0_block8 *wb = (q8_0_block8 *)job->scratch;
-    int64_t j0 = job->n0;
-    for (; j0 + 8 <= job->n1; j0 += 8) {
-        q8_0_interleave(job, j0, wb);
-#define Q8_0_TILE8(n) q8_0_tile8(wb, job->x + r, job->y + r, j0, job->nb, job->side, n)
-        FOR_EACH_TILE(4, job->n_rows, Q8_0_TILE8);
-#undef Q8_0_TILE8
-    }
-    for (int64_t jr = j0; jr < job->n1; jr += DG_QK_ROW_CHUNK) {
-        const int64_t j1 = jr + DG_QK_ROW_CHUNK < job->n1 ? jr + DG_QK_ROW_CHUNK : job->n1;
-        block_scales(job, jr, j1, sizeof(dg_block_q8_0), job->scratch);
-        const int64_t jstart = jr;
-#define Q8_0_ROW_TILE(n)                                                                                   \
-    for (int64_t j = jstart; j < j1; j++)                                                                  \
-    q8_0_tile(W_ROW(dg_block_q8_0, j), job->scratch + (j - jstart) * job->nb, job->x + r, job->y + r, j, job->nb, \
-              job->side, n)
-        FOR_EACH_TILE(6, job->n_rows, Q8_0_ROW_TILE);
-#undef Q8_0_ROW_TILE
-    }
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Q5_0 weights × Q8_0 activations: the 5-bit values q (0..31) unpacked to bytes, Σ q·x per block in s32 lanes, the
@@ -244,8 +133,6 @@ INLINE void q5_0_tile(const dg_block_q5_0 *w, const float *dw, const uint8_t **x
     for (int b = 0; b < NR; b++) y[b][j] = hsum8(acc[b]);
 }
 
-#define q5_0_TILE(n) SCALED_TILE(q5_0, dg_block_q5_0, n)
-DEFINE_SCALED_JOB(q5_0, dg_block_q5_0)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Q4_K weights × Q8_K activations: per super-block Σ_j scale_j · Σ q·x (0 ≤ q ≤ 15) in s32 lanes, times d·dx; the
@@ -430,8 +317,6 @@ INLINE void iq4_nl_tile(const dg_block_iq4_nl *w, const float *dw, const uint8_t
     for (int b = 0; b < NR; b++) y[b][j] = hsum8(acc[b]);
 }
 
-#define iq4_nl_TILE(n) SCALED_TILE(iq4_nl, dg_block_iq4_nl, n)
-DEFINE_SCALED_JOB(iq4_nl, dg_block_iq4_nl)
 
 typedef struct {  // one IQ4_XS super-block of a weight row, decoded once per row chunk
     int16_t scales[8];  // scale_j − 32
@@ -488,6 +373,114 @@ TARGET static void iq4_xs_job(const dg_qk_job *job) {
 #undef IQ4_XS_TILE
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// The 32-element types (Q8_0, Q5_0, IQ4_NL; Q8_0 activations), eight weight rows at once. Each block of the eight
+// rows is decoded to 32 signed bytes per row and transposed into the scratch (an 8×8 transpose of 32-bit words:
+// vector c holds elements 4c..4c+3 of every row, then the rows' eight f32 scales), so that one vpmaddubsw multiplies
+// four elements of all eight rows with four broadcast activations and the eight s32 lanes are the eight rows' block
+// sums: the block's float scaling (convert, scale, FMA) is one set of instructions for eight outputs, where the
+// one-row tiles above need it per output. Rows after the last whole group of eight take the one-row tiles.
+
+typedef struct {
+    __m256i w[8];
+    float d[8];
+} block8;
+
+// out[c] word r = in[r] word c
+INLINE void transpose8x32(__m256i v[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);      // r0c0 r1c0 r0c1 r1c1 | r0c4 r1c4 r0c5 r1c5
+        t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);  // r0c2 r1c2 r0c3 r1c3 | ...c6, c7
+    }
+    for (int i = 0; i < 2; i++) {
+        for (int h = 0; h < 2; h++) {
+            u[4 * i + 2 * h] = _mm256_unpacklo_epi64(t[4 * i + h], t[4 * i + 2 + h]);      // r0..r3 of c(2h) | c(2h+4)
+            u[4 * i + 2 * h + 1] = _mm256_unpackhi_epi64(t[4 * i + h], t[4 * i + 2 + h]);  // r0..r3 of c(2h+1) | ...
+        }
+    }
+    for (int c = 0; c < 4; c++) {  // u[c]: rows 0..3 of columns c (low) and c + 4 (high); u[4 + c]: rows 4..7
+        v[c] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x20);
+        v[c + 4] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x31);
+    }
+}
+
+// a block's 32 values as signed bytes, element k in byte k
+INLINE __m256i q8_0_signed(const dg_block_q8_0 *b) { return load256(b->qs); }
+INLINE __m256i q5_0_signed(const dg_block_q5_0 *b) { return _mm256_sub_epi8(q5_0_values(b), _mm256_set1_epi8(16)); }
+INLINE __m256i iq4_nl_signed(const dg_block_iq4_nl *b) { return iq4_values16(b->qs, iq4_grid()); }
+
+INLINE void tile8(const block8 *wb, const uint8_t **x, float **y, int64_t j0, int64_t nb, size_t side, const int NR) {
+    __m256 acc[4];
+    const dg_block_q8_0 *xb[4];
+    const float *dx[4];
+    for (int b = 0; b < NR; b++) {
+        acc[b] = _mm256_setzero_ps();
+        xb[b] = (const dg_block_q8_0 *)x[b];
+        dx[b] = (const float *)(x[b] + side);
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t i = 0; i < nb; i++) {
+        __m256i si[4];
+        for (int b = 0; b < NR; b++) si[b] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+            const __m256i wv = _mm256_load_si256(&wb[i].w[c]);
+            const __m256i aw = _mm256_sign_epi8(wv, wv);
+            for (int b = 0; b < NR; b++) {
+                int32_t four;
+                memcpy(&four, xb[b][i].qs + 4 * c, sizeof four);
+                const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(four), wv);
+                si[b] = _mm256_add_epi32(si[b], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
+            }
+        }
+        const __m256 d = _mm256_load_ps(wb[i].d);
+        for (int b = 0; b < NR; b++)
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(dx[b] + i)), _mm256_cvtepi32_ps(si[b]),
+                                     acc[b]);
+    }
+    for (int b = 0; b < NR; b++) _mm256_storeu_ps(y[b] + j0, acc[b]);
+}
+
+// NAME##_job: groups of eight rows through tile8 (288 bytes of scratch per block), the rest through NAME##_tile.
+#define DEFINE_EIGHT_ROW_JOB(NAME, BLOCK)                                                                           \
+    TARGET static void NAME##_interleave(const dg_qk_job *job, int64_t j0, block8 *out) {                          \
+        for (int64_t i = 0; i < job->nb; i++, out++) {                                                              \
+            __m256i v[8];                                                                                           \
+            for (int r = 0; r < 8; r++) {                                                                           \
+                const BLOCK *b = W_ROW(BLOCK, j0 + r) + i;                                                          \
+                v[r] = NAME##_signed(b);                                                                            \
+                out->d[r] = half_to_float(b->d);                                                                    \
+            }                                                                                                       \
+            transpose8x32(v);                                                                                       \
+            for (int c = 0; c < 8; c++) out->w[c] = v[c];                                                           \
+        }                                                                                                           \
+    }                                                                                                               \
+    TARGET static void NAME##_job(const dg_qk_job *job) {                                                          \
+        block8 *wb = (block8 *)job->scratch;                                                                        \
+        int64_t j8 = job->n0;                                                                                       \
+        for (; j8 + 8 <= job->n1; j8 += 8) {                                                                        \
+            NAME##_interleave(job, j8, wb);                                                                         \
+            FOR_EACH_TILE(4, job->n_rows, TILE8_CALL);                                                              \
+        }                                                                                                           \
+        for (int64_t j0 = j8; j0 < job->n1; j0 += DG_QK_ROW_CHUNK) {                                                \
+            const int64_t j1 = j0 + DG_QK_ROW_CHUNK < job->n1 ? j0 + DG_QK_ROW_CHUNK : job->n1;                     \
+            block_scales(job, j0, j1, sizeof(BLOCK), job->scratch);                                                 \
+            FOR_EACH_TILE(6, job->n_rows, NAME##_ROW_TILE);                                                         \
+        }                                                                                                           \
+    }
+#define TILE8_CALL(n) tile8(wb, job->x + r, job->y + r, j8, job->nb, job->side, n)
+// the one-row tile over a chunk's rows j0..j1 (their f32 block scales in the scratch)
+#define ROW_TILE(NAME, BLOCK, n)                                                                                   \
+    for (int64_t j = j0; j < j1; j++)                                                                              \
+    NAME##_tile(W_ROW(BLOCK, j), job->scratch + (j - j0) * job->nb, job->x + r, job->y + r, j, job->nb, job->side, n)
+#define q8_0_ROW_TILE(n) ROW_TILE(q8_0, dg_block_q8_0, n)
+#define q5_0_ROW_TILE(n) ROW_TILE(q5_0, dg_block_q5_0, n)
+#define iq4_nl_ROW_TILE(n) ROW_TILE(iq4_nl, dg_block_iq4_nl, n)
+DEFINE_EIGHT_ROW_JOB(q8_0, dg_block_q8_0)
+DEFINE_EIGHT_ROW_JOB(q5_0, dg_block_q5_0)
+DEFINE_EIGHT_ROW_JOB(iq4_nl, dg_block_iq4_nl)
 
 dg_qk_kernel dg_qk_avx2_kernel(enum ggml_type type) {
     switch (type) {

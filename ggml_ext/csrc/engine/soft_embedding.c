@@ -59,7 +59,11 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void tile_avx2(
     const float *b = pn->b + (size_t)(j / NR) * KC * NR, *ap = pn->a + (size_t)(t0 / MR) * KC * MR;
     const int64_t kc = pn->kc;
     // the output rows lie H floats apart, far from L1: fetch them while the products run, not at the end
-    for (int i = 0; i < MR_; i++) _mm_prefetch((const char *)(pn->y + (size_t)(t0 + i) * pn->ldy + j), _MM_HINT_T0);
+    for (int i = 0; i < MR_; i++) {  // a 16-float row segment may straddle two cache lines
+        const float *yr = pn->y + (size_t)(t0 + i) * pn->ldy + j;
+        _mm_prefetch((const char *)yr, _MM_HINT_T0);
+        _mm_prefetch((const char *)(yr + NR - 1), _MM_HINT_T0);
+    }
     for (int64_t k = 0; k < kc; k++, b += NR, ap += MR) {
         const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
         for (int i = 0; i < MR_; i++) {

@@ -1,0 +1,92 @@
+"""dgemma's self-conditioned denoising step against llama.cpp PR #24423 (`llama-diffusion-cli`) on the same GGUF files.
+
+    python3 bench/vs_peer.py PEER_BIN GGUF... [--threads 2] [--reps 2] [--prompt 256] [--json out.json]
+
+One 256-token canvas after a --prompt-token prompt, early stop off, 2 threads, A/B interleaved, --reps rounds:
+
+- dgemma: `dgemma debug generate --steps 3` in a child; its in-process per-step timers (`timings.steps_s`); the step
+  figure is the mean of steps 2 and 3 (self-conditioned; step 1 has no self-conditioning and pays the page faults
+  of a file read for the first time).
+- the peer: it reports one in-process time per generation ("total time"), so its step is the marginal
+  (t(3 steps) − t(1 step)) / 2, which cancels loading and prefill.
+
+Each file is read once before its first round (both sides then find it in the page cache). The report names the CPU,
+the peer's build and every round's figures; the ratio is peer / dgemma of the medians.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import common
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex bad jumping zebras " * 200).split()
+
+
+def run(cmd: list[str]) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace")
+    if proc.returncode != 0:
+        sys.exit(f"failed: {' '.join(cmd[:4])}: {proc.stderr.strip()[-400:]}")
+    return proc.stdout + proc.stderr
+
+
+def dgemma_step(gguf: Path, threads: int, prompt: int) -> list[float]:
+    """In-process seconds of steps 2 and 3 of one generation."""
+    ids = ",".join(str(5 + (i * 7919) % 250) for i in range(prompt))
+    out = run([sys.executable, "-m", "dgemma_cli.main", "debug", "generate", str(gguf), "--prompt-ids", ids,
+               "--seed", "1", "--max-new-tokens", "256", "--steps", "3", "--confidence-threshold", "1e-30",
+               "--threads", str(threads)])
+    steps = json.loads(next(line for line in out.splitlines() if line.startswith("{")))["timings"]["steps_s"]
+    return steps[1:]
+
+
+def peer_total(peer: str, gguf: Path, steps: int, threads: int, prompt: int) -> float:
+    text = " ".join(WORDS[: int(prompt * 0.9)])  # about `prompt` tokens with the peer's tokenizer
+    out = run([peer, "-m", str(gguf), "-p", text, "-n", "256", "--diffusion-eb-max-steps", str(steps),
+               "--diffusion-eb-confidence", "1e-30", "-t", str(threads), "--seed", "1", "-no-cnv"])
+    found = re.search(r"total time: ([0-9.]+)ms", out)
+    if not found:
+        sys.exit(f"the peer printed no 'total time' for {gguf.name}")
+    return float(found.group(1)) / 1000
+
+
+def peer_build(peer: str) -> str:
+    proc = subprocess.run([peer, "--version"], capture_output=True, text=True, errors="replace")
+    return (proc.stdout + proc.stderr).strip().splitlines()[-1] if proc.returncode == 0 else "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("peer")
+    ap.add_argument("ggufs", nargs="+", type=Path)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    report = {"cpu": common.cpu_info(), "peer": peer_build(a.peer), "threads": a.threads, "files": {}}
+    print(f"{common.cpu_description()} | {a.threads} threads | peer: {report['peer']}", flush=True)
+    for gguf in a.ggufs:
+        with gguf.open("rb") as f:  # into the page cache before either side runs
+            while f.read(1 << 24):
+                pass
+        ours, theirs = [], []
+        for _ in range(a.reps):
+            ours.append(statistics.mean(dgemma_step(gguf, a.threads, a.prompt)))
+            one, three = (peer_total(a.peer, gguf, n, a.threads, a.prompt) for n in (1, 3))
+            theirs.append((three - one) / 2)
+        d, p = statistics.median(ours), statistics.median(theirs)
+        report["files"][gguf.name] = {"dgemma_step_s": ours, "peer_step_s": theirs, "ratio": p / d}
+        print(f"{gguf.name}: dgemma {d:.2f} s ({', '.join(f'{x:.2f}' for x in ours)}), "
+              f"peer {p:.2f} s ({', '.join(f'{x:.2f}' for x in theirs)}), peer / dgemma {p / d:.2f}x", flush=True)
+    if a.json:
+        a.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
