@@ -56,8 +56,10 @@ def peer_total(peer: str, gguf: Path, steps: int, threads: int, prompt: int) -> 
 
 
 def peer_build(peer: str) -> str:
+    """What the peer's --version prints (its llama.cpp version line and compiler)."""
     proc = subprocess.run([peer, "--version"], capture_output=True, text=True, errors="replace")
-    return (proc.stdout + proc.stderr).strip().splitlines()[-1] if proc.returncode == 0 else "unknown"
+    lines = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    return "; ".join(lines[-2:]) if proc.returncode == 0 and lines else "unknown"
 
 
 def main() -> None:

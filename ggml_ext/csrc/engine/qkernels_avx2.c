@@ -87,7 +87,6 @@ TARGET static void block_scales(const dg_qk_job *job, int64_t j0, int64_t j1, si
 
 #define W_ROW(T, j) ((const T *)(job->w + (size_t)(j) * job->w_row))
 
-
 // ---------------------------------------------------------------------------------------------------------------
 // Q5_0 weights × Q8_0 activations: the 5-bit values q (0..31) unpacked to bytes, Σ q·x per block in s32 lanes, the
 // offset taken out lane by lane (16 · Σx, the activations' lanes16), scaled by dw·dx: the same lanes as ggml's
@@ -132,7 +131,6 @@ INLINE void q5_0_tile(const dg_block_q5_0 *w, const float *dw, const uint8_t **x
     }
     for (int b = 0; b < NR; b++) y[b][j] = hsum8(acc[b]);
 }
-
 
 // ---------------------------------------------------------------------------------------------------------------
 // Q4_K weights × Q8_K activations: per super-block Σ_j scale_j · Σ q·x (0 ≤ q ≤ 15) in s32 lanes, times d·dx; the
