@@ -192,7 +192,8 @@ CLIENT = (NOHISTORY, REGISTRY_MIRRORS, REGISTRY_ALLOW, PULL_PART_SIZE, PULL_STRE
 
 # Read by the C engine itself (getenv), listed here so the table is complete.
 PROFILE_NODES = Var("DGEMMA_PROFILE_NODES", "any", None, "unset",
-                    "the engine prints one line per graph node (bench notes)")
+                    "a profiled step (`Context.step_profiled`) prints one line per graph node: its class, op, "
+                    "shapes and seconds (bench notes)")
 QKERNELS = Var("DGEMMA_QKERNELS", "`auto`, `avx2`, `scalar`, `off`", None, "auto",
                "quantized weight products: the engine's integer kernels on that path, or ggml's own ops (`off`); "
                "a path this CPU lacks means ggml's ops")

@@ -128,8 +128,8 @@ def first_steps(path: Path, run: dict[str, np.ndarray], calls: int = 3) -> np.nd
 @pytest.mark.parametrize("outtype", ["q8_0", "q4_k_m"])
 def test_model_logits_match_ggml_ops(gguf_path, monkeypatch, name, outtype):
     """Whole decoder steps of the quantized fixtures (Q8_0 and Q5_0 experts: their widths are below 256) with the
-    engine's kernels and with ggml's ops. The Q8_0 kernel sums each block's integers exactly before its one float
-    scaling, where ggml scales eight partial sums, so the logits are not bit-identical: a last-bit difference can
+    engine's kernels and with ggml's ops. The Q8_0 and Q5_0 kernels sum each block's integers exactly before its
+    one float scaling, where ggml scales eight partial sums, so the logits are not bit-identical: a last-bit difference can
     flip a rounding of the next product's activation quantization. Asserted: the kernels differ from ggml's ops by a
     tenth of the quantization's own error at most, and are no further than ggml's ops from the unquantized model."""
     if not AVAILABLE_AVX2:

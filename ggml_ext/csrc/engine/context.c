@@ -119,7 +119,15 @@ static bool profile_node(struct ggml_tensor *node, bool ask, void *user) {
         c->profile_t0 = now_s();
         return true;
     }
-    c->profile[profile_class(node, c->model->hp.n_vocab)] += now_s() - c->profile_t0;
+    const double dt = now_s() - c->profile_t0;
+    const dg_profile_class cls = profile_class(node, c->model->hp.n_vocab);
+    c->profile[cls] += dt;
+    if (getenv("DGEMMA_PROFILE_NODES")) {  // one line per node, for bench notes
+        const struct ggml_tensor *a = node->src[0] ? node->src[0] : node;
+        fprintf(stderr, "class %d %s %s: %s [%lld,%lld,%lld] -> [%lld,%lld,%lld] %.6f s\n", (int)cls,
+                ggml_op_desc(node), node->name, ggml_type_name(a->type), (long long)a->ne[0], (long long)a->ne[1],
+                (long long)a->ne[2], (long long)node->ne[0], (long long)node->ne[1], (long long)node->ne[2], dt);
+    }
     return true;
 }
 
