@@ -6,10 +6,11 @@ Builds bench-real6 (bench/configs/bench-real6.json: the released 26B-A4B geometr
 random bf16 written tensor by tensor without torch) into bench/work/real6-L<layers>/, converts it once per type (the
 conversion time is reported: the converter's own speed), then runs `dgemma debug generate` in a child process: one
 256-token canvas after a 256-token prompt with early stop off, and reads its `timings` (prefill, one wall time per
-denoising step). Step 1 has no self-conditioning, so self-conditioning ≈ mean(steps 2..) − step 1. Also reported: the
-child's peak RSS against the file size; one self-conditioned step profiled node by node in a second child, as seconds
-and GFLOP/s per class (experts, dense products, attention, LM head, self-conditioning, other); the CPU (name, flags that matter) and numpy's float32 GEMM rate on the LM head's
-shape in the same run (the machine's float-GEMM reference).
+denoising step). Step 1 has no self-conditioning, so self-conditioning ≈ mean(steps 2..) − step 1. Also reported:
+the child's peak RSS against the file size; one self-conditioned step profiled node by node in a second child, as
+seconds and GFLOP/s per class (experts, dense products, attention, LM head, self-conditioning, other); the CPU (name,
+flags that matter) and numpy's float32 GEMM rate on the LM head's shape in the same run (the machine's float-GEMM
+reference). `--types iq4_xs` builds an IQ4_XS-experts mix (bench_mixes).
 """
 from __future__ import annotations
 

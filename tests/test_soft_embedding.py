@@ -32,7 +32,7 @@ def require(isa: str) -> None:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("type_name,width", [("F32", 72), ("F16", 40), ("BF16", 264), ("Q8_0", 96), ("Q4_0", 64),
                                              ("Q6_K", 512), ("Q4_K", 256), ("Q5_K", 768), ("IQ4_NL", 160),
-                                             ("IQ4_XS", 256)])
+                                             ("IQ4_XS", 256), ("Q8_0", 288)])  # 288: one whole panel and a part
 @pytest.mark.parametrize("tokens", [1, 5, 6, 7, 17])
 def test_matches_a_double_product(isa, type_name, width, tokens):
     require(isa)

@@ -172,6 +172,9 @@ AVX2 static inline void store8(float *strips, int64_t k, int64_t e, __m256 v) {
     _mm256_store_ps(strips + (size_t)(e / NR) * KC * NR + k * NR + e % NR, v);
 }
 
+// the low 8 signed bytes as floats
+AVX2 static inline __m256 widen8(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)); }
+
 // one super-block (256 columns, first column e0 of the panel) of a Q6_K row
 AVX2 static void strips_q6_K(const void *src, float *strips, int64_t k, int64_t e0) {
     const block_q6_K_layout *b = src;
@@ -192,10 +195,10 @@ AVX2 static void strips_q6_K(const void *src, float *strips, int64_t k, int64_t 
             const __m256 s0 = _mm256_set1_ps(d * (float)sc[0]), s1 = _mm256_set1_ps(d * (float)sc[1]);
             const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
             const int64_t e = e0 + 128 * half + 32 * quarter;
-            store8(strips, k, e, _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo))));
-            store8(strips, k, e + 8, _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)))));
-            store8(strips, k, e + 16, _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))));
-            store8(strips, k, e + 24, _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))));
+            store8(strips, k, e, _mm256_mul_ps(s0, widen8(lo)));
+            store8(strips, k, e + 8, _mm256_mul_ps(s0, widen8(_mm_srli_si128(lo, 8))));
+            store8(strips, k, e + 16, _mm256_mul_ps(s1, widen8(hi)));
+            store8(strips, k, e + 24, _mm256_mul_ps(s1, widen8(_mm_srli_si128(hi, 8))));
         }
     }
 }
@@ -206,7 +209,7 @@ AVX2 static void strips_q8_0(const void *src, float *strips, int64_t k, int64_t 
     const __m256 d = _mm256_set1_ps(_cvtsh_ss(b->d));
     for (int v = 0; v < 4; v++) {
         const __m128i q = _mm_loadl_epi64((const __m128i *)(b->qs + 8 * v));
-        store8(strips, k, e0 + 8 * v, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+        store8(strips, k, e0 + 8 * v, _mm256_mul_ps(widen8(q), d));
     }
 }
 #endif
@@ -267,8 +270,9 @@ static void soft_embedding_op(struct ggml_tensor *dst, int ith, int nth, void *u
                     const char *row = (const char *)e->data + (size_t)(v0 + k) * e->nb[1] + (size_t)(h0 / blck) * type_size;
 #ifdef DG_X86
                     if (avx2 && nc == NC && (e->type == GGML_TYPE_Q6_K || e->type == GGML_TYPE_Q8_0)) {
-                        for (int64_t c = 0; c < NC; c += blck)
-                            (e->type == GGML_TYPE_Q6_K ? strips_q6_K : strips_q8_0)(row + (size_t)(c / blck) * type_size, buf, k, c);
+                        void (*strips)(const void *, float *, int64_t, int64_t) =
+                            e->type == GGML_TYPE_Q6_K ? strips_q6_K : strips_q8_0;
+                        for (int64_t c = 0; c < NC; c += blck) strips(row + (size_t)(c / blck) * type_size, buf, k, c);
                         continue;
                     }
 #endif
