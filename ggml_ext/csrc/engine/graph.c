@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "engine.h"
+#include "qkernels.h"
 
 struct ggml_tensor *dg_build_rmsw(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x,
                                   struct ggml_tensor *w) {
@@ -97,10 +98,6 @@ __attribute__((target("avx2,fma"))) static void softcap_row_avx2(const float *x,
     for (; i < n; i++) y[i] = 1.0f / (1.0f + expf(-(x[i] * (2.0f / cap)))) * (2.0f * cap) + -cap;
 }
 
-static bool cpu_has_avx2_fma(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
 #endif
 
 // dst (src[0], the destination written in place) = softcap of src[1]
@@ -110,7 +107,7 @@ static void softcap_op(struct ggml_tensor *dst, int ith, int nth, void *userdata
     memcpy(&cap, &userdata, sizeof cap);
     const int64_t n = x->ne[0], rows = ggml_nrows(x);
 #if defined(__x86_64__) && defined(__GNUC__)
-    const bool avx2 = cpu_has_avx2_fma();
+    const bool avx2 = dg_qk_path_available(DG_QK_AVX2);  // the quantized kernels' CPU check
 #endif
     for (int64_t r = rows * ith / nth; r < rows * (ith + 1) / nth; r++) {
         const float *xr = (const float *)((const char *)x->data + r * x->nb[1]);

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "qkernels.h"
+#include "qkernels_avx2.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -212,21 +213,6 @@ TARGET static void q4_K_job(const dg_qk_job *job) {
 // Q6_K weights × Q8_K activations: 6-bit q (0..63) unpacked by quarters of 32, Σ_g scale_g · Σ q·x per group of 16,
 // minus 32 · Σ_g scale_g · bsum_g (the activations' group sums), all in s32 lanes, times d·dx
 
-// the 32 values of quarter `quarter` (0..3) of half `h` (elements 128h + 32·quarter + 0..31)
-INLINE __m256i q6_K_quarter(const dg_block_q6_K *b, int h, int quarter) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x30);
-    const __m256i ql = load256(b->ql + 64 * h + 32 * (quarter & 1)), qh = load256(b->qh + 32 * h);
-    const __m256i low = quarter < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
-    __m256i high;  // bits 2·quarter, 2·quarter + 1 of qh moved to bits 4, 5 (16-bit shifts; the mask drops spill-over)
-    switch (quarter) {
-        case 0: high = _mm256_slli_epi16(qh, 4); break;
-        case 1: high = _mm256_slli_epi16(qh, 2); break;
-        case 2: high = qh; break;
-        default: high = _mm256_srli_epi16(qh, 2); break;
-    }
-    return _mm256_or_si256(low, _mm256_and_si256(high, m2));
-}
-
 INLINE void q6_K_tile(const dg_block_q6_K *w, const uint8_t **x, float **y, int64_t j, int64_t nb, const int NR) {
     __m256 acc[6];
     const dg_block_q8_K *xb[6];
@@ -243,7 +229,7 @@ INLINE void q6_K_tile(const dg_block_q6_K *w, const uint8_t **x, float **y, int6
             const __m256i half = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11)  // sc[8h..8h+7] in both lanes
                                    : _mm256_permute2x128_si256(sc16, sc16, 0x00);
             for (int quarter = 0; quarter < 4; quarter++) {
-                const __m256i q = q6_K_quarter(&w[i], h, quarter);
+                const __m256i q = dg_q6_K_quarter_avx2(&w[i], h, quarter);
                 // scale of group 8h + 2·quarter for the first 16 values (low lane), of the next group for the others
                 const __m256i s = _mm256_shuffle_epi8(half, _mm256_setr_epi64x(
                     0x0101010101010101ll * (4 * quarter) + 0x0100010001000100ll,

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "engine.h"
+#include "qkernels_avx2.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -177,20 +178,11 @@ AVX2 static inline __m256 widen8(__m128i q) { return _mm256_cvtepi32_ps(_mm256_c
 
 // one super-block (256 columns, first column e0 of the panel) of a Q6_K row
 AVX2 static void strips_q6_K(const void *src, float *strips, int64_t k, int64_t e0) {
-    const block_q6_K_layout *b = src;
+    const dg_block_q6_K *b = src;
     const float d = _cvtsh_ss(b->d);
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
     for (int half = 0; half < 2; half++) {
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * half));
         for (int quarter = 0; quarter < 4; quarter++) {
-            const __m256i ql = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * half + 32 * (quarter & 1)));
-            const __m256i low = quarter < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
-            const __m256i high = _mm256_and_si256(quarter == 0   ? _mm256_slli_epi16(qh, 4)
-                                                  : quarter == 1 ? _mm256_slli_epi16(qh, 2)
-                                                  : quarter == 2 ? qh
-                                                                 : _mm256_srli_epi16(qh, 2),
-                                                  m2);
-            const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, high), off);  // q − 32 as int8
+            const __m256i q = _mm256_sub_epi8(dg_q6_K_quarter_avx2(b, half, quarter), _mm256_set1_epi8(32));  // q − 32
             const int8_t *sc = b->scales + 8 * half + 2 * quarter;
             const __m256 s0 = _mm256_set1_ps(d * (float)sc[0]), s1 = _mm256_set1_ps(d * (float)sc[1]);
             const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
