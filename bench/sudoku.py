@@ -12,7 +12,8 @@ generated with sampler seed i:
 - dgemma, a fixed 48 steps (the early stop disabled; first --fixed-n puzzles): solve rate, wall time;
 - dgemma as `dgemma run sudoku` delivers it: the bundled Modelfile's parameters (num_canvases candidates among
   them), the server's Sudoku checker choosing among the candidates and renoising cells that break a rule, and run's
-  retries with a new seed (up to MAX_TRIES): solve rate, mean denoising steps per candidate, wall time per puzzle;
+  retries, each under a new random symmetry of the puzzle (up to MAX_TRIES): solve rate, mean denoising steps per
+  candidate, wall time per puzzle;
 - transformers' generate() on the original checkpoint (first --hf-n puzzles, same seeds, adaptive): solve rate, mean
   steps, wall time, and the agreement with dgemma puzzle by puzzle (identical grid; identical step count).
 
@@ -104,23 +105,26 @@ class Dgemma:
 
 
     def delivered(self, cases: list[tuple[str, str]], overrides: dict, tries: int) -> dict:
-        """As `dgemma run sudoku` delivers it: checker, candidates and self-correction, up to `tries` attempts."""
+        """As `dgemma run sudoku` delivers it: checker, candidates and self-correction, up to `tries` attempts, each
+        after the first under a new random symmetry of the puzzle (run's attempt_symmetries, seeded by the puzzle's
+        index) with its answer mapped back."""
         from dgemma_engine.generate import SamplerParams
 
-        from dgemma_cli.sudoku import solve_with_engine
+        from dgemma_cli.sudoku import attempt_symmetries, solve_with_engine
 
         solved, seconds, candidate_steps, attempts = [], [], 0, 0
         n_canvases = int(overrides.get("num_canvases", 1))
         for i, (puzzle, _) in enumerate(cases):
             spent, ok = 0.0, False
-            for k in range(tries):
+            for k, symmetry in enumerate(attempt_symmetries(tries, seed=i)):
                 params = SamplerParams.from_metadata(self.model.metadata, seed=i + k * RETRY_SEED_STRIDE, rng="torch",
                                                      **overrides)
-                sol = solve_with_engine(self.model, self.tokenizer, puzzle, params, self.ctx, check=True)
+                sol = solve_with_engine(self.model, self.tokenizer, symmetry.apply(puzzle), params, self.ctx,
+                                        check=True)
                 spent += sol.seconds
                 candidate_steps += sol.candidate_steps
                 attempts += 1
-                ok = puzzles.is_valid_solution(puzzle, sol.grid)
+                ok = puzzles.is_valid_solution(puzzle, symmetry.undo(sol.grid))
                 if ok:
                     break
             solved.append(ok)
@@ -128,7 +132,8 @@ class Dgemma:
         return {"n": len(cases), "solved": sum(solved), "solve_rate": round(sum(solved) / max(1, len(cases)), 4),
                 "num_canvases": n_canvases, "tries": tries, "mean_attempts": round(attempts / max(1, len(cases)), 2),
                 "mean_steps_per_candidate": round(candidate_steps / max(1, attempts * n_canvases), 2),
-                "s_per_puzzle": round(statistics.fmean(seconds), 4) if seconds else None}
+                "s_per_puzzle": round(statistics.fmean(seconds), 4) if seconds else None,
+                "max_s_per_puzzle": round(max(seconds), 4) if seconds else None}
 
 
 def run_transformers(checkpoint: Path, cases: list[tuple[str, str]], threads: int) -> Run:

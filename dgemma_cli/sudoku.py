@@ -7,11 +7,15 @@ to `run_sudoku` (a task renderer, see session.register_task_renderer):
 - stdout not a terminal: exactly 9 lines of 9 digits, nothing else (a fixed interface; notes go to stderr);
 - a terminal: the drawn grid; with `--visual` the grid denoising live, the given clues in bold.
 
-A wrong grid is detectable (it breaks a rule), so `run` checks the answer and asks again with a new seed, up to
-MAX_TRIES times; the last grid is printed either way, with a warning on stderr when it is not a solution.
+A wrong grid is detectable (it breaks a rule), so `run` checks the answer and asks again, up to MAX_TRIES times: the
+first try is the puzzle as given, each later one the same puzzle under a fresh random Symmetry (digits relabelled,
+rows, columns, bands and stacks shuffled, maybe transposed), whose answer is mapped back. The model's mistakes on one
+puzzle repeat under a new seed but mostly not under a new symmetry, which it sees as another puzzle; every digit still
+comes from the model. The last grid is printed either way, with a warning on stderr when it is not a solution.
 """
 from __future__ import annotations
 
+import random
 import sys
 import time
 from collections.abc import Sequence
@@ -31,7 +35,7 @@ if TYPE_CHECKING:
 MODEL_GENERAL_NAME = "dgemma-sudoku"  # general.name of the bundled GGUF (bundle.py converts from a folder so named)
 CELL_TOKEN_MARK = "<c{{ loop.index0 }}="  # the chat template's per-cell token: how `run` recognises the task
 CANVAS = 81  # one canvas holds the whole answer (num_predict 81)
-MAX_TRIES = 4  # a failed grid is retried with a new seed; most unsolved puzzles are solved within 4 tries
+MAX_TRIES = 24  # a failed grid is retried under a new symmetry (bench: medium puzzles take 3-4 tries on average)
 USAGE_EXAMPLE = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
 
 
@@ -110,6 +114,52 @@ def print_grid(console: Console, puzzle: str, grid: str) -> None:
     console.print(grid_table(puzzle, grid))
 
 
+@dataclass(frozen=True)
+class Symmetry:
+    """A transform that maps Sudoku solutions to Sudoku solutions: cell i of the transformed grid is cell `source[i]`
+    of the original, its digit d written as `digits[d]` (0, a blank, stays 0; any other mark is kept)."""
+    source: tuple[int, ...]
+    digits: tuple[int, ...]
+
+    @classmethod
+    def identity(cls) -> Symmetry:
+        return cls(tuple(range(CANVAS)), tuple(range(10)))
+
+    @classmethod
+    def random(cls, rng: random.Random) -> Symmetry:
+        digits = (0, *rng.sample(range(1, 10), 9))
+        rows = [band * 3 + r for band in rng.sample(range(3), 3) for r in rng.sample(range(3), 3)]
+        cols = [stack * 3 + c for stack in rng.sample(range(3), 3) for c in rng.sample(range(3), 3)]
+        if rng.random() < 0.5:
+            source = tuple(cols[c] * 9 + rows[r] for r in range(9) for c in range(9))  # transposed
+        else:
+            source = tuple(rows[r] * 9 + cols[c] for r in range(9) for c in range(9))
+        return cls(source, digits)
+
+    def apply(self, grid: str) -> str:
+        return "".join(self._digit(grid[s], self.digits) for s in self.source)
+
+    def undo(self, grid: str) -> str:
+        inverse = [0] * 10
+        for d, image in enumerate(self.digits):
+            inverse[image] = d
+        out = ["?"] * CANVAS
+        for i, s in enumerate(self.source):
+            out[s] = self._digit(grid[i], inverse)
+        return "".join(out)
+
+    @staticmethod
+    def _digit(ch: str, table: Sequence[int]) -> str:
+        return str(table[int(ch)]) if ch in "0123456789" else ch
+
+
+def attempt_symmetries(tries: int, seed: int | None) -> list[Symmetry]:
+    """What each of `tries` attempts shows the model: the puzzle itself first, then fresh random symmetries (drawn
+    from `seed`, so a seeded run repeats)."""
+    rng = random.Random(seed)
+    return [Symmetry.identity()] + [Symmetry.random(rng) for _ in range(tries - 1)]
+
+
 # ---- solving through the engine directly (bench/sudoku.py, tests) ----------------------------------------------------
 
 @dataclass(frozen=True)
@@ -184,13 +234,14 @@ def run_sudoku(context: TaskContext) -> bool:
     view = LiveGrid(console, puzzle) if (tty and context.settings.visual) else None
     spinner = Spinner(sys.stderr, enabled=tty and view is None and is_tty(sys.stderr))
     user_seed = context.settings.options.get("seed")
+    user_seed = None if user_seed is None else int(user_seed)
     grid, tries, steps = "?" * CANVAS, 0, 0
     try:
         spinner.start("solving")
-        for attempt in range(MAX_TRIES):
+        for attempt, symmetry in enumerate(attempt_symmetries(MAX_TRIES, user_seed)):
             tries += 1
-            seed = None if user_seed is None else int(user_seed) + attempt
-            grid, used = _one_try(context, puzzle, seed, attempt, view, spinner)
+            seed = None if user_seed is None else user_seed + attempt
+            grid, used = _one_try(context, puzzle, symmetry, seed, attempt, view, spinner)
             steps += used
             if is_solution(puzzle, grid):
                 break
@@ -211,9 +262,10 @@ def run_sudoku(context: TaskContext) -> bool:
     return True
 
 
-def _one_try(context: TaskContext, puzzle: str, seed: int | None, attempt: int, view: LiveGrid | None,
-             spinner: Any) -> tuple[str, int]:
-    """One generation over the REST API; returns (answer grid, denoising steps)."""
+def _one_try(context: TaskContext, puzzle: str, symmetry: Symmetry, seed: int | None, attempt: int,
+             view: LiveGrid | None, spinner: Any) -> tuple[str, int]:
+    """One generation over the REST API on `puzzle` under `symmetry`; returns (answer grid mapped back to `puzzle`,
+    denoising steps)."""
     from dgemma_cli.session import chunk_text, is_progress
 
     options = {"num_predict": CANVAS, **context.settings.options}
@@ -223,7 +275,7 @@ def _one_try(context: TaskContext, puzzle: str, seed: int | None, attempt: int, 
     options["diffusion_progress"] = True
     if view is not None:
         options["diffusion_preview"] = True
-    body = {"model": context.settings.model, "prompt": puzzle, "options": options}
+    body = {"model": context.settings.model, "prompt": symmetry.apply(puzzle), "options": options}
     if context.settings.keep_alive is not None:
         body["keep_alive"] = context.settings.keep_alive
     text, steps = "", 0
@@ -239,14 +291,14 @@ def _one_try(context: TaskContext, puzzle: str, seed: int | None, attempt: int, 
                     counter = f"step {chunk.get('completed')}/{chunk.get('total')}"
                     if attempt:
                         counter += f" · try {attempt + 1}"
-                    view.update(answer_grid(str(chunk["preview"])), counter)
+                    view.update(symmetry.undo(answer_grid(str(chunk["preview"]))), counter)
             else:
                 text += chunk_text(chunk)[0]
     finally:
         close = getattr(chunks, "close", None)
         if close is not None:
             close()
-    return answer_grid(text), steps
+    return symmetry.undo(answer_grid(text)), steps
 
 
 class LiveGrid:

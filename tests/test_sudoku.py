@@ -72,6 +72,72 @@ def test_is_solution_rejects_broken_grids():
             assert not sudoku.is_solution(puzzle, solution[::-1]) or solution == solution[::-1]
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_symmetry_maps_a_puzzle_and_its_solution_together_and_back(seed):
+    symmetry = sudoku.Symmetry.random(__import__("random").Random(seed))
+    moved_puzzle, moved_solution = symmetry.apply(PUZZLE), symmetry.apply(SOLUTION)
+    assert moved_puzzle != PUZZLE and moved_solution != SOLUTION
+    assert sudoku.is_solution(moved_puzzle, moved_solution)  # a puzzle of its own, with the mapped solution
+    assert puzzles.solve_count([int(c) for c in moved_puzzle]) == 1
+    assert moved_puzzle.count("0") == PUZZLE.count("0")
+    assert symmetry.undo(moved_solution) == SOLUTION and symmetry.undo(moved_puzzle) == PUZZLE
+    partial = moved_solution[:40] + "?" + moved_solution[41:]  # a cell without a digit stays one
+    assert symmetry.undo(partial).count("?") == 1 and not sudoku.is_solution(PUZZLE, symmetry.undo(partial))
+
+
+def test_attempts_show_the_puzzle_first_then_new_symmetries_repeatably():
+    attempts = sudoku.attempt_symmetries(sudoku.MAX_TRIES, seed=7)
+    assert len(attempts) == sudoku.MAX_TRIES
+    assert attempts[0] == sudoku.Symmetry.identity() and attempts[0].apply(PUZZLE) == PUZZLE
+    assert len({a.apply(PUZZLE) for a in attempts}) == sudoku.MAX_TRIES
+    assert attempts == sudoku.attempt_symmetries(sudoku.MAX_TRIES, seed=7)
+    assert attempts[1:] != sudoku.attempt_symmetries(sudoku.MAX_TRIES, seed=8)[1:]
+
+
+class ScriptedClient:
+    """Stands in for the server: answers each request with the next grid of `answers(prompt)`, recording prompts."""
+
+    def __init__(self, answers):
+        self.answers, self.prompts = answers, []
+
+    def generate_stream(self, body):
+        self.prompts.append(body["prompt"])
+        yield {"response": self.answers(body["prompt"], len(self.prompts))}
+        yield {"done": True, "denoise_steps": 5}
+
+
+def run_task(client, capsys, seed=3):
+    from dgemma_cli.session import RunSettings, TaskContext
+
+    show = {"model_info": {"diffusion.canvas_length": 81}, "template": MODELFILE.read_text()}
+    settings = RunSettings(model="sudoku", options={"seed": seed}, verbose=True)
+    assert sudoku.run_sudoku(TaskContext(client, show, PUZZLE, settings))
+    return capsys.readouterr()
+
+
+def test_run_retries_under_new_symmetries_and_maps_the_answer_back(capsys):
+    shown = {s.apply(PUZZLE): s.apply(SOLUTION) for s in sudoku.attempt_symmetries(sudoku.MAX_TRIES, seed=3)}
+
+    def answers(prompt, attempt):  # wrong twice, then the solution of the puzzle as it was shown
+        return shown[prompt][::-1] if attempt < 3 else shown[prompt]
+
+    client = ScriptedClient(answers)
+    out = run_task(client, capsys)
+    assert out.out.replace("\n", "") == SOLUTION
+    assert "tries: 3" in out.err and "not a valid solution" not in out.err
+    symmetries = sudoku.attempt_symmetries(3, seed=3)
+    assert client.prompts == [s.apply(PUZZLE) for s in symmetries] and client.prompts[0] == PUZZLE
+
+
+def test_run_gives_up_after_max_tries_with_a_warning(capsys):
+    client = ScriptedClient(lambda prompt, attempt: "1" * 81)
+    out = run_task(client, capsys)
+    assert len(client.prompts) == sudoku.MAX_TRIES
+    last = sudoku.attempt_symmetries(sudoku.MAX_TRIES, seed=3)[-1].undo("1" * 81)  # the last answer, mapped back
+    assert out.out == sudoku.plain_lines(last) + "\n" and len(set(last)) == 1
+    assert f"not a valid solution ({sudoku.MAX_TRIES} tries)" in out.err
+
+
 def test_answer_grid_and_plain_lines():
     assert sudoku.answer_grid(SOLUTION) == SOLUTION
     assert sudoku.answer_grid(SOLUTION[:80]) == SOLUTION[:80] + "?"
@@ -88,7 +154,7 @@ def test_modelfile_template_is_the_recipes_chat_template():
     assert MODELFILE.read_text().startswith("# ")
     assert mf.from_ == "./sudoku.gguf"
     assert mf.template == vocab.CHAT_TEMPLATE
-    assert mf.parameters == {"num_predict": 81, "num_canvases": 2, "diffusion_steps": 12, "num_thread": 1}
+    assert mf.parameters == {"num_predict": 81, "num_canvases": 1, "diffusion_steps": 12, "num_thread": 1}
 
 
 def test_prompt_text_is_what_the_template_renders_and_tokenizes_like_the_recipe():
@@ -163,7 +229,7 @@ def test_register_bundled_into_an_empty_store(tmp_path):
     local = store.resolve("sudoku")
     assert local.gguf_path.read_bytes() == GGUF.read_bytes()
     assert local.template == vocab.CHAT_TEMPLATE
-    assert local.parameters == {"num_predict": 81, "num_canvases": 2, "diffusion_steps": 12, "num_thread": 1}
+    assert local.parameters == {"num_predict": 81, "num_canvases": 1, "diffusion_steps": 12, "num_thread": 1}
     assert local.config["model_family"] == "diffusion-gemma" and local.config["template_format"] == "jinja"
     manifest = store.read_manifest("sudoku").raw
     assert register_bundled(store, ModelName.parse("sudoku"))  # already there: left alone

@@ -3,6 +3,7 @@ reachable (the bundled model must register itself from the package, never pull).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -75,3 +76,17 @@ def test_malformed_puzzle_is_one_line_error(clean_env, args, stdin, message):
     assert result.returncode == 1
     assert result.stdout == ""
     assert result.stderr.startswith(f"Error: {message}") and result.stderr.count("\n") == 1, result.stderr
+
+
+def readme_puzzles() -> list[str]:
+    """The puzzles the README shows (the quickstart's and the classic 30-clue one)."""
+    found = re.findall(r"dgemma run sudoku (?:--visual --seed \d+ )?([0-9]{81})", (REPO / "README.md").read_text())
+    assert PUZZLE in found and len(found) >= 2, found
+    return sorted(set(found))
+
+
+@pytest.mark.parametrize("puzzle", readme_puzzles())
+def test_the_readme_puzzles_are_solved(clean_env, puzzle):
+    result = run(["run", "sudoku", puzzle, "--seed", "1", "--verbose"], clean_env)
+    assert result.returncode == 0, result.stderr
+    assert sudoku.is_solution(puzzle, assert_nine_lines(result.stdout)), result.stderr
