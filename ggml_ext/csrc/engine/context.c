@@ -5,8 +5,8 @@
 // cache holds W−1 + alignment + one chunk of rows; when it is full, the still-visible tail moves to the front
 // (swa_base = position of slot 0). The decoder writes its canvas K/V into the free slots after n_past as scratch
 // (never committed: n_past is unchanged). A step may hold several candidate canvases (num_canvases): their rows follow
-// one another in the scratch slots, all at the positions n_past.., and a block mask keeps each canvas to the cached
-// context and its own rows, so every candidate is computed exactly as it would be alone.
+// one another in the scratch slots, all at the positions n_past.., and each attends to the cached context and its own
+// rows only, gathered into the layout one canvas alone would see, so every candidate is computed as it would be alone.
 //
 // Decoder graphs are built once per (n_past, canvas rows) in four variants [self-conditioning][output buffer]: the
 // step writes its softcapped logits into one of two persistent buffers and, with self-conditioning, reads the
@@ -406,13 +406,15 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, bool self_cond, in
     struct ggml_tensor *x = ggml_rms_norm(ctx, e, m->hp.rms_eps);  // weight-less post_norm
 
     clear_tail_slots(c, c->n_past, n);  // nothing writes them while this graph lives: steps keep n_past
+    const int rows_per = n / n_canvases;
     for (int il = 0; il < m->hp.n_layer; il++) {
-        const dg_attn_span span = span_for(c, il, c->n_past, n);
+        // several candidates: each attends as one canvas alone would (graph.c gathers its keys and values)
+        dg_attn_span span = span_for(c, il, c->n_past, rows_per);
+        span.canvases = n_canvases;
         const int kind = m->layers[il].sliding;
-        const bool padded = span.padding > 0 || span.tail > 0;
-        const bool masked = padded || n_canvases > 1;
-        if (masked && !g->mask[kind]) {  // one canvas needs a mask only to hide padding slots
-            g->mask[kind] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, span.len, n);
+        const bool masked = span.padding > 0 || span.tail > 0;  // the mask only hides padding slots
+        if (masked && !g->mask[kind]) {
+            g->mask[kind] = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, span.len, rows_per);
             ggml_set_input(g->mask[kind]);
             g->span[kind] = span;
         }
@@ -659,16 +661,12 @@ DG_API int dg_context_encode(dg_context *c, const int32_t *ids, int n, char *err
     return 0;
 }
 
-// Decoder mask of one layer kind: padding slots hidden; with several canvases, each row also sees only its own
-// canvas's rows among the new ones (the cached context is shared).
-static void fill_decoder_mask(float *mask, dg_attn_span span, int n, int n_canvases) {
-    const int rows_per = n / n_canvases;
-    const int first_new = span.len - span.tail - n;  // span index of the first new row's slot
-    for (int t = 0; t < n; t++) {
+// Decoder mask of one layer kind for one canvas of `rows` rows: the padding slots hidden, everything else visible
+// (several candidates share it: each attends over its own copy of this layout).
+static void fill_decoder_mask(float *mask, dg_attn_span span, int rows) {
+    for (int t = 0; t < rows; t++) {
         for (int j = 0; j < span.len; j++) {
-            const int q = j - first_new;
-            bool visible = j >= span.padding && j < span.len - span.tail;
-            if (visible && q >= 0) visible = q / rows_per == t / rows_per;
+            const bool visible = j >= span.padding && j < span.len - span.tail;
             mask[(size_t)t * span.len + j] = visible ? 0.0f : -INFINITY;
         }
     }
@@ -737,7 +735,7 @@ static float *step_impl(dg_context *c, const int32_t *ids, int n, int n_canvases
             dg_set_err(err, err_len, "out of memory");
             return NULL;
         }
-        fill_decoder_mask(mask, g->span[kind], n, n_canvases);
+        fill_decoder_mask(mask, g->span[kind], rows_per);
         ggml_backend_tensor_set(g->mask[kind], mask, 0, ggml_nbytes(g->mask[kind]));
         free(mask);
     }

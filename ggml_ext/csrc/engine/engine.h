@@ -121,6 +121,8 @@ typedef struct dg_attn_span {
     int len;     // number of slots (context + new rows)
     int padding; // leading slots included only to round len up for ggml's GEMM; always masked out
     int tail;    // trailing (unused, zeroed) slots doing the same where no earlier slots exist; always masked out
+    int canvases; // > 1: the new rows are that many candidate canvases, each attending to the context and its own
+                  // rows; first/len/padding/tail then describe one canvas's layout [context | own rows | tail]
 } dg_attn_span;
 
 // Graph inputs and output of one decoder step variant.

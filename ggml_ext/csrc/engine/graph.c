@@ -224,6 +224,36 @@ static struct ggml_tensor *build_moe(struct ggml_context *ctx, const dg_model *m
 
 // Attention for T rows at cache slots [slot0, slot0+T): their K/V are stored in the cache first, then the rows attend
 // to the slots [span.first, span.first + span.len). mask: [span.len, T] or NULL (decoder: no mask at all).
+// Attention of several candidate canvases, each over the cached context and its own rows only. Each candidate's
+// keys and values are gathered into [context | own rows | zeros], the layout one canvas alone attends to (`span`), so
+// a candidate computes what it would alone, and the cost grows with the number of candidates, not its square.
+// kc: K cache [hd, nkv, slot]; vc: transposed V cache [slot, hd * nkv]; q: [hd, T, nh] with T = canvases * R rows,
+// whose K/V sit in consecutive slots from slot0; mask: [span.len, R] (NULL: nothing to hide). Returns [hd * nh, T].
+static struct ggml_tensor *attend_per_canvas(struct ggml_context *ctx, struct ggml_tensor *kc, struct ggml_tensor *vc,
+                                             struct ggml_tensor *q, struct ggml_tensor *mask, int slot0,
+                                             dg_attn_span span) {
+    const int64_t hd = q->ne[0], nh = q->ne[2], nkv = kc->ne[1], N = span.canvases, R = q->ne[1] / N;
+    const int64_t n_context = span.len - span.tail - R;  // context slots, leading padding included
+    struct ggml_tensor *context_k = ggml_view_4d(ctx, kc, hd, n_context, 1, nkv, kc->nb[2], kc->nb[2] * n_context,
+                                                 kc->nb[1], (size_t)span.first * kc->nb[2]);
+    struct ggml_tensor *own_k = ggml_view_4d(ctx, kc, hd, R, N, nkv, kc->nb[2], kc->nb[2] * R, kc->nb[1],
+                                             (size_t)slot0 * kc->nb[2]);
+    struct ggml_tensor *keys = ggml_concat(ctx, ggml_repeat_4d(ctx, context_k, hd, n_context, N, nkv), own_k, 1);
+    keys = ggml_pad(ctx, keys, 0, span.tail, 0, 0);  // [hd, S, N, nkv]
+
+    struct ggml_tensor *context_v = ggml_view_4d(ctx, vc, n_context, hd, 1, nkv, vc->nb[1], vc->nb[1] * hd * nkv,
+                                                 vc->nb[1] * hd, (size_t)span.first * vc->nb[0]);
+    struct ggml_tensor *own_v = ggml_view_4d(ctx, vc, R, hd, N, nkv, vc->nb[1], vc->nb[0] * R, vc->nb[1] * hd,
+                                             (size_t)slot0 * vc->nb[0]);
+    struct ggml_tensor *vals = ggml_concat(ctx, ggml_repeat_4d(ctx, context_v, n_context, hd, N, nkv), own_v, 0);
+    vals = ggml_pad(ctx, vals, span.tail, 0, 0, 0);  // [S, hd, N, nkv]
+
+    struct ggml_tensor *kq = ggml_mul_mat(ctx, keys, ggml_reshape_4d(ctx, q, hd, R, N, nh));  // [S, R, N, nh]
+    kq = ggml_soft_max_ext(ctx, ggml_reshape_3d(ctx, kq, span.len, R, N * nh), mask, 1.0f, 0.0f);
+    struct ggml_tensor *kqv = ggml_mul_mat(ctx, vals, ggml_reshape_4d(ctx, kq, span.len, R, N, nh));  // [hd, R, N, nh]
+    return ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 3, 1), hd * nh, N * R);  // [hd, nh, R, N] -> rows
+}
+
 static struct ggml_tensor *build_attention(struct ggml_context *ctx, struct ggml_cgraph *gf, const dg_model *m,
                                            const dg_context *c, int il, struct ggml_tensor *h,
                                            struct ggml_tensor *pos, struct ggml_tensor *mask, int slot0,
@@ -256,6 +286,9 @@ static struct ggml_tensor *build_attention(struct ggml_context *ctx, struct ggml
     q = ggml_rope_ext(ctx, q, pos, freq_factors, (int)hd, GGML_ROPE_TYPE_NEOX, n_ctx_orig, base, 1.0f, 0.0f, 1.0f,
                       0.0f, 0.0f);
     q = ggml_cont(ctx, ggml_permute(ctx, q, 0, 2, 1, 3));  // [hd, T, nh]; contiguous so ggml can use its sgemm
+
+    if (span.canvases > 1) return adapted_matmul(ctx, L, pass, DG_LORA_O, L->wo,
+                                                 attend_per_canvas(ctx, kc, vc, q, mask, slot0, span), fast);
 
     struct ggml_tensor *keys = ggml_view_3d(ctx, kc, hd, span.len, nkv, kc->nb[2], kc->nb[1],
                                             (size_t)span.first * kc->nb[2]);  // [hd, S, nkv]
