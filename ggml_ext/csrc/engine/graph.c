@@ -22,24 +22,68 @@ struct ggml_tensor *dg_build_rmsw(struct ggml_context *ctx, const dg_model *m, s
     return w ? ggml_mul(ctx, y, w) : y;
 }
 
+static inline float gelu_mul_scalar(float x, float up) {
+    const float z = x * (x * x * 0.044715f + 1.0f) * 1.5957691216057308f;  // 2·sqrt(2/π)
+    return x / (1.0f + expf(-z)) * up;
+}
+
+// An 8-wide exp for the one-pass element-wise ops below (GELU, softcap): range reduction by ln 2 and a degree-6
+// polynomial, within 2 ulp of libm's expf, which ggml's sigmoid and the scalar loops call element by element.
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+__attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_min_ps(_mm256_set1_ps(88.0f), x));  // NaN stays NaN
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts (Cody and Waite)
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+__attribute__((target("avx2,fma"))) static void gelu_mul_row_avx2(const float *g, const float *u, float *y,
+                                                                 int64_t n) {
+    const __m256 k = _mm256_set1_ps(1.5957691216057308f), c = _mm256_set1_ps(0.044715f), one = _mm256_set1_ps(1.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {  // the scalar loop's operations in its order, with exp8 for expf
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 z = _mm256_mul_ps(_mm256_mul_ps(x, _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(x, x), c), one)), k);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), z));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++) y[i] = gelu_mul_scalar(g[i], u[i]);
+}
+#endif
+
 // gelu_tanh(gate)·up in one pass, as a custom op: gelu_tanh(x) = 0.5·x·(1 + tanh(u)) = x·σ(2u),
-// u = sqrt(2/π)·(x + 0.044715·x³), in plain f32 arithmetic with expf. ggml's own gelu goes through an fp16 lookup
-// table (misses 1e-4); composing it from ggml's exact ops took seven passes over the activations.
+// u = sqrt(2/π)·(x + 0.044715·x³), in plain f32 arithmetic with expf (exp8 on AVX2). ggml's own gelu goes through
+// an fp16 lookup table (misses 1e-4); composing it from ggml's exact ops took seven passes over the activations.
 static void gelu_mul_op(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     const struct ggml_tensor *gate = dst->src[0], *up = dst->src[1];
     const int64_t n = gate->ne[0], rows = ggml_nrows(gate);
-    const float two_sqrt_2_over_pi = 1.5957691216057308f;
+#if defined(__x86_64__) && defined(__GNUC__)
+    const bool avx2 = dg_qk_path_available(DG_QK_AVX2);  // the quantized kernels' CPU check
+#endif
     for (int64_t r = rows * ith / nth; r < rows * (ith + 1) / nth; r++) {
         const int64_t i1 = r % gate->ne[1], i2 = r / gate->ne[1] % gate->ne[2], i3 = r / gate->ne[1] / gate->ne[2];
 #define ROW(t) ((char *)(t)->data + i1 * (t)->nb[1] + i2 * (t)->nb[2] + i3 * (t)->nb[3])
         const float *g = (const float *)ROW(gate), *u = (const float *)ROW(up);
         float *y = (float *)ROW(dst);
 #undef ROW
-        for (int64_t i = 0; i < n; i++) {
-            const float x = g[i];
-            const float z = x * (x * x * 0.044715f + 1.0f) * two_sqrt_2_over_pi;
-            y[i] = x / (1.0f + expf(-z)) * u[i];
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (avx2) {
+            gelu_mul_row_avx2(g, u, y, n);
+            continue;
         }
+#endif
+        for (int64_t i = 0; i < n; i++) y[i] = gelu_mul_scalar(g[i], u[i]);
     }
 }
 
@@ -65,27 +109,9 @@ static struct ggml_tensor *gelu_mul(struct ggml_context *ctx, struct ggml_tensor
 
 // cap·tanh(x / cap) = 2·cap·σ(2x / cap) − cap (the final logit softcap; same σ trick, absolute error ~2e-6).
 // On the CPU as one pass with an 8-wide exp: ggml's sigmoid calls libm's expf element by element, which at
-// 256 × 262,144 logits took 0.4 s of a step. The exp below (range reduction by ln 2, degree-6 polynomial) is within
-// 2 ulp of expf; the scale, division and scale-bias are the same float operations as the three ggml ops.
+// 256 × 262,144 logits took 0.4 s of a step. With exp8 the scale, division and scale-bias are
+// the same float operations as the three ggml ops.
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-__attribute__((target("avx2,fma"))) static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_min_ps(_mm256_set1_ps(88.0f), x));  // NaN stays NaN
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts (Cody and Waite)
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-
 __attribute__((target("avx2,fma"))) static void softcap_row_avx2(const float *x, float *y, int64_t n, float cap) {
     const __m256 in = _mm256_set1_ps(2.0f / cap), out = _mm256_set1_ps(2.0f * cap), bias = _mm256_set1_ps(-cap);
     const __m256 one = _mm256_set1_ps(1.0f);
