@@ -1,8 +1,8 @@
 // Graph builders for one DiffusionGemma layer (docs/model.md#layer), shared by the encoder and the decoder.
 //
 // Exactness notes (each is covered by a test against transformers):
-// - GELU (tanh form) is computed in plain f32 (x·σ(2u), fused with the ·up product): ggml's gelu/geglu on the CPU
-//   go through an fp16 lookup table, which misses 1e-4.
+// - GELU (tanh form) is computed in plain f32 (x·σ(2u), fused with the ·up product; on AVX2 with an 8-wide exp
+//   within 2 ulp of expf): ggml's gelu/geglu on the CPU go through an fp16 lookup table, which misses 1e-4.
 // - Two forms of the same arithmetic: the fast one with CPU-only custom ops (fused GELU, tiled F32 experts) for
 //   nodes that run on the CPU, and a standard-op one (what any ggml backend runs) for nodes placed on an
 //   accelerator, or everywhere with DGEMMA_STANDARD_OPS (docs/engine.md#devices).
