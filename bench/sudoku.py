@@ -12,13 +12,14 @@ generated with sampler seed i:
 - dgemma, a fixed 48 steps (the early stop disabled; first --fixed-n puzzles): solve rate, wall time;
 - dgemma as `dgemma run sudoku` delivers it: the bundled Modelfile's parameters (num_canvases candidates among
   them), the server's Sudoku checker choosing among the candidates and renoising cells that break a rule, and run's
-  retries, each under a new random symmetry of the puzzle (up to MAX_TRIES), with the server's default (fast) RNG:
-  solve rate, mean denoising steps per candidate, wall time per puzzle;
+  retries, each under a new random symmetry of the puzzle (up to MAX_TRIES), `num_parallel` of them side by side at
+  `num_thread` threads each, with the server's default (fast) RNG: solve rate, mean denoising steps per candidate,
+  wall time per puzzle;
 - transformers' generate() on the original checkpoint (first --hf-n puzzles, same seeds, adaptive): solve rate, mean
   steps, wall time, and the agreement with dgemma puzzle by puzzle (identical grid; identical step count).
 
 "Solved" = a complete grid that keeps every clue and breaks no rule (puzzles.is_valid_solution). Timings are per
-puzzle at batch 1 with --threads threads. Without torch/transformers installed, pass --hf-n 0.
+puzzle at batch 1 with --threads threads (the delivered path: the Modelfile's num_parallel x num_thread). Without torch/transformers installed, pass --hf-n 0.
 """
 from __future__ import annotations
 
@@ -69,23 +70,29 @@ def load_cases(level: str, n: int, cache_dir: Path) -> list[tuple[str, str]]:
     return cases
 
 
-def modelfile_sampler(path: Path) -> dict:
-    """The bundled Modelfile's sampler PARAMETERs, as SamplerParams overrides by field name."""
+def modelfile_parameters(path: Path) -> dict:
+    """The bundled Modelfile's PARAMETERs by name."""
     from dgemma_cli.modelfile import parse_modelfile
+
+    return parse_modelfile(path.read_text()).parameters
+
+
+def sampler_overrides(parameters: dict) -> dict:
+    """The sampler PARAMETERs among `parameters`, as SamplerParams overrides by field name."""
     from dgemma_engine.settings import SAMPLER_SETTINGS
 
-    params = parse_modelfile(path.read_text()).parameters
-    return {s.field: params[s.option] for s in SAMPLER_SETTINGS if s.option in params}
+    return {s.field: parameters[s.option] for s in SAMPLER_SETTINGS if s.option in parameters}
 
 
 class Dgemma:
-    def __init__(self, gguf: Path, threads: int, max_canvases: int = 1):
+    def __init__(self, gguf: Path, threads: int):
         from dgemma_engine.model import Context, Model
         from dgemma_engine.tokenizer import Tokenizer
 
+        self.threads = threads
         self.model = Model.load(str(gguf), threads=threads)
         self.tokenizer = Tokenizer.from_metadata(self.model.metadata)
-        self.ctx = Context(self.model, n_ctx=256, threads=threads, max_canvases=max_canvases)
+        self.ctx = Context(self.model, n_ctx=256, threads=threads)
 
     def run(self, cases: list[tuple[str, str]], adaptive: bool = True, seed_offset: int = 0,
             only: list[int] | None = None) -> Run:
@@ -104,33 +111,51 @@ class Dgemma:
         return run
 
 
-    def delivered(self, cases: list[tuple[str, str]], overrides: dict, tries: int) -> dict:
+    def delivered(self, cases: list[tuple[str, str]], parameters: dict, tries: int) -> dict:
         """As `dgemma run sudoku` delivers it: checker, candidates and self-correction, up to `tries` attempts, each
         after the first under a new random symmetry of the puzzle (run's attempt_symmetries, seeded by the puzzle's
-        index) with its answer mapped back."""
+        index) with its answer mapped back; `num_parallel` tries side by side at `num_thread` threads each, the
+        lowest-index one that solves committed (run's first_solution). Seconds are the wall time per puzzle."""
         from dgemma_engine.generate import SamplerParams
+        from dgemma_engine.model import Context
 
-        from dgemma_cli.sudoku import attempt_symmetries, solve_with_engine
+        from dgemma_cli.sudoku import attempt_symmetries, first_solution, solve_with_engine
 
-        solved, seconds, candidate_steps, attempts = [], [], 0, 0
+        overrides = sampler_overrides(parameters)
         n_canvases = int(overrides.get("num_canvases", 1))
-        for i, (puzzle, _) in enumerate(cases):
-            spent, ok = 0.0, False
-            for k, symmetry in enumerate(attempt_symmetries(tries, seed=i)):
-                # run's own random stream: the server samples in the default (fast) RNG mode, not torch's
-                params = SamplerParams.from_metadata(self.model.metadata, seed=i + k * RETRY_SEED_STRIDE, **overrides)
-                sol = solve_with_engine(self.model, self.tokenizer, symmetry.apply(puzzle), params, self.ctx,
-                                        check=True)
-                spent += sol.seconds
-                candidate_steps += sol.candidate_steps
-                attempts += 1
-                ok = puzzles.is_valid_solution(puzzle, symmetry.undo(sol.grid))
-                if ok:
-                    break
-            solved.append(ok)
-            seconds.append(spent)
+        workers = int(parameters.get("num_parallel", 1))
+        threads = int(parameters.get("num_thread", self.threads))
+        contexts = [Context(self.model, n_ctx=256, threads=threads, max_canvases=n_canvases) for _ in range(workers)]
+        solved, seconds, candidate_steps, attempts, started = [], [], 0, 0, 0
+        try:
+            for i, (puzzle, _) in enumerate(cases):
+                symmetries = attempt_symmetries(tries, seed=i)
+
+                def attempt(a, puzzle=puzzle, symmetries=symmetries, i=i):
+                    # run's own random stream: the server samples in the default (fast) RNG mode, not torch's
+                    params = SamplerParams.from_metadata(self.model.metadata, seed=i + a.index * RETRY_SEED_STRIDE,
+                                                         **overrides)
+                    symmetry = symmetries[a.index]
+                    sol = solve_with_engine(self.model, self.tokenizer, symmetry.apply(puzzle), params,
+                                            contexts[a.worker], check=True, cancel=a.cancel)
+                    return symmetry.undo(sol.grid), sol.candidate_steps
+
+                t0 = time.perf_counter()
+                outcome = first_solution(attempt, tries, workers,
+                                         solved=lambda answer, puzzle=puzzle: puzzles.is_valid_solution(puzzle,
+                                                                                                         answer[0]))
+                seconds.append(time.perf_counter() - t0)
+                candidate_steps += sum(steps for _, steps in outcome.results)
+                attempts += len(outcome.results)
+                started += outcome.started
+                solved.append(puzzles.is_valid_solution(puzzle, outcome.committed[0]))
+        finally:
+            for ctx in contexts:
+                ctx.close()
         return {"n": len(cases), "solved": sum(solved), "solve_rate": round(sum(solved) / max(1, len(cases)), 4),
-                "num_canvases": n_canvases, "tries": tries, "mean_attempts": round(attempts / max(1, len(cases)), 2),
+                "num_canvases": n_canvases, "tries": tries, "num_parallel": workers, "threads_per_try": threads,
+                "mean_attempts": round(attempts / max(1, len(cases)), 2),
+                "mean_attempts_started": round(started / max(1, len(cases)), 2),
                 "mean_steps_per_candidate": round(candidate_steps / max(1, attempts * n_canvases), 2),
                 "s_per_puzzle": round(statistics.fmean(seconds), 4) if seconds else None,
                 "max_s_per_puzzle": round(max(seconds), 4) if seconds else None}
@@ -172,11 +197,11 @@ def main() -> None:
 
     from dgemma_cli.sudoku import MAX_TRIES
 
-    overrides = modelfile_sampler(args.modelfile)
-    engine = Dgemma(args.gguf, args.threads, max_canvases=int(overrides.get("num_canvases", 1)))
+    parameters = modelfile_parameters(args.modelfile)
+    engine = Dgemma(args.gguf, args.threads)
     results: dict = {"gguf": str(args.gguf), "gguf_type": int(engine.model.metadata["general.file_type"]),
                      "n": args.n, "hf_n": hf_n, "fixed_n": fixed_n, "threads": args.threads, "bench_seed": BENCH_SEED,
-                     "modelfile_sampler": overrides, "levels": {}}
+                     "modelfile_parameters": parameters, "levels": {}}
     bundle = args.checkpoint / "bundle.json"
     if bundle.is_file():
         results["bundle"] = json.loads(bundle.read_text())
@@ -189,7 +214,7 @@ def main() -> None:
             row["fixed48"] = engine.run(cases[:fixed_n], adaptive=False).summary(cases[:fixed_n])
         delivered_n = args.n if args.delivered_n is None else min(args.delivered_n, args.n)
         if delivered_n > 0:
-            row["delivered"] = engine.delivered(cases[:delivered_n], overrides, MAX_TRIES)
+            row["delivered"] = engine.delivered(cases[:delivered_n], parameters, MAX_TRIES)
         if hf_n > 0:
             hf = run_transformers(args.checkpoint, cases[:hf_n], args.threads)
             row["transformers"] = hf.summary(cases[:hf_n])

@@ -31,7 +31,7 @@ ERR_ROLE = 'message role must be one of "system", "user", or "assistant"'
 # is the only list.
 INT_PARAMS = {
     "num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_predict", "seed", "top_k", "repeat_last_n",
-    "num_keep", "draft_num_predict", "num_cpu_moe",
+    "num_keep", "draft_num_predict", "num_cpu_moe", "num_parallel",
 }
 FLOAT_PARAMS = {
     "temperature", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
@@ -253,10 +253,18 @@ def max_steps_cap() -> int:
     return env.MAX_STEPS.get_or_default()
 
 
+# Load-time PARAMETERs with a range of their own: each generation slot holds a K/V context, so the count is bounded.
+LOAD_PARAM_RANGES = {"num_parallel": (1, 64)}
+
+
 def check_parameter_ranges(params: dict[str, Any]) -> None:
-    """The sampler settings' ranges (dgemma_engine.settings), applied at create to the PARAMETERs given.
+    """The sampler settings' ranges (dgemma_engine.settings) and LOAD_PARAM_RANGES, applied at create to the
+    PARAMETERs given.
 
     Message shape: `invalid value for diffusion_steps: 0 (must be between 1 and 256)`."""
+    for name, (low, high) in LOAD_PARAM_RANGES.items():
+        if name in params and not low <= params[name] <= high:
+            raise ModelfileError(f"invalid value for {name}: {params[name]} (must be between {low} and {high})")
     values = {s.field: params[s.option] for s in settings.SAMPLER_SETTINGS if s.option in params}
     try:
         settings.check_values(values, max_steps_cap=max_steps_cap())

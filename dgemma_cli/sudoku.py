@@ -12,15 +12,20 @@ first try is the puzzle as given, each later one the same puzzle under a fresh r
 rows, columns, bands and stacks shuffled, maybe transposed), whose answer is mapped back. The model's mistakes on one
 puzzle repeat under a new seed but mostly not under a new symmetry, which it sees as another puzzle; every digit still
 comes from the model. The last grid is printed either way, with a warning on stderr when it is not a solution.
+
+Tries run side by side when the model has several generation slots (its `PARAMETER num_parallel`): `first_solution`
+hands out try indices in order and commits the lowest-index try that solves, so the answer is the one a sequential
+run gives; tries after it are cancelled.
 """
 from __future__ import annotations
 
 import random
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from rich.console import Console, Group
 from rich.table import Table
@@ -160,6 +165,111 @@ def attempt_symmetries(tries: int, seed: int | None) -> list[Symmetry]:
     return [Symmetry.identity()] + [Symmetry.random(rng) for _ in range(tries - 1)]
 
 
+# ---- tries side by side ----------------------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try as `first_solution` hands it out."""
+    index: int  # 0 is the puzzle as given; the answer committed is the lowest index that solves
+    worker: int  # which of the side-by-side workers runs it (the bench gives each its own K/V context)
+    cancel: threading.Event  # set once a lower-index try has solved (or another failed): stop, the result is unused
+    leading: Callable[[], bool]  # no lower-index try is still running: the one a live view shows
+
+
+@dataclass(frozen=True)
+class Outcome(Generic[T]):
+    results: list[T]  # tries 0..k in order: tries before k failed, try k solved (or was the last)
+    started: int  # tries begun, including cancelled ones after k
+
+    @property
+    def committed(self) -> T:
+        return self.results[-1]
+
+
+class _TryPool(Generic[T]):
+    """first_solution's shared state: the next index to hand out, the running tries and the results kept."""
+
+    def __init__(self, tries: int, solved: Callable[[T], bool]):
+        self.tries, self.solved = tries, solved
+        self.lock = threading.Lock()
+        self.next = 0
+        self.best: int | None = None  # lowest index known to solve
+        self.results: dict[int, T] = {}
+        self.running: dict[int, threading.Event] = {}
+        self.error: BaseException | None = None
+
+    def take(self) -> tuple[int, threading.Event] | None:
+        with self.lock:
+            if self.error is not None or self.next >= self.tries or (self.best is not None and self.next > self.best):
+                return None
+            index, self.next = self.next, self.next + 1
+            self.running[index] = cancel = threading.Event()
+            return index, cancel
+
+    def finish(self, index: int, result: T) -> None:
+        with self.lock:
+            del self.running[index]
+            if self.best is not None and index > self.best:
+                return
+            self.results[index] = result
+            if self.solved(result):
+                self.best = index
+                for later, cancel in self.running.items():
+                    if later > index:
+                        cancel.set()
+
+    def abort(self, error: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = error
+            for cancel in self.running.values():
+                cancel.set()
+
+    def leading(self, index: int) -> bool:
+        with self.lock:
+            return all(other >= index for other in self.running)
+
+    def work(self, worker: int, attempt: Callable[[Attempt], T]) -> None:
+        try:
+            while (taken := self.take()) is not None:
+                index, cancel = taken
+                result = attempt(Attempt(index, worker, cancel, lambda i=index: self.leading(i)))
+                self.finish(index, result)
+        except BaseException as exc:  # noqa: BLE001  (re-raised by first_solution in the caller's thread)
+            self.abort(exc)
+
+    def outcome(self) -> Outcome[T]:
+        last = self.best if self.best is not None else self.tries - 1
+        return Outcome([self.results[i] for i in range(last + 1)], self.next)
+
+
+def first_solution(attempt: Callable[[Attempt], T], tries: int, workers: int,
+                   solved: Callable[[T], bool]) -> Outcome[T]:
+    """Run `attempt` for tries 0..tries-1 on `workers` threads, each taking the next index when it is free, until one
+    solves. Every try before the committed one ran to its end, so the outcome is a sequential run's; a try after it
+    that is still running sees its `cancel` set. `workers` 1 runs in the caller's thread."""
+    pool: _TryPool[T] = _TryPool(tries, solved)
+    if workers <= 1:
+        pool.work(0, attempt)
+    else:
+        threads = [threading.Thread(target=pool.work, args=(w, attempt), name=f"sudoku-try-{w}", daemon=True)
+                   for w in range(workers)]
+        for thread in threads:
+            thread.start()
+        try:
+            for thread in threads:
+                thread.join()
+        except BaseException as exc:  # Ctrl-C while waiting: stop the tries in flight
+            pool.abort(exc)
+            raise
+    if pool.error is not None:
+        raise pool.error
+    return pool.outcome()
+
+
 # ---- solving through the engine directly (bench/sudoku.py, tests) ----------------------------------------------------
 
 @dataclass(frozen=True)
@@ -171,10 +281,11 @@ class Solution:
 
 
 def solve_with_engine(model: Any, tokenizer: Any, puzzle: str, params: Any, ctx: Any = None,
-                      check: bool = False) -> Solution:
+                      check: bool = False, cancel: threading.Event | None = None) -> Solution:
     """One generation of one canvas on a loaded `dgemma_engine` model (`params`: a SamplerParams, its num_canvases
     candidates included). `check`: as the server runs the task, with the Sudoku checker choosing among candidates and
-    sending cells that break a rule back into denoising; else the plain model (the lowest-entropy candidate)."""
+    sending cells that break a rule back into denoising; else the plain model (the lowest-entropy candidate).
+    `cancel` set: stop at the next step (a canvas not yet committed gives a grid of '?')."""
     from dgemma_engine.generate import CanvasEvent, StepEvent, eos_ids_from_metadata, generate
     from dgemma_engine.model import Context
     from dgemma_engine.tasks import task_checker
@@ -189,7 +300,9 @@ def solve_with_engine(model: Any, tokenizer: Any, puzzle: str, params: Any, ctx:
         ctx.reset()
         start = time.perf_counter()
         eos_ids = eos_ids_from_metadata(model.metadata)
-        for event in generate(ctx, prompt, params, max_new_tokens=CANVAS, eos_ids=eos_ids, checker=checker):
+        committed = None
+        for event in generate(ctx, prompt, params, max_new_tokens=CANVAS, eos_ids=eos_ids, checker=checker,
+                              cancel=cancel):
             if isinstance(event, StepEvent):
                 candidate_steps += event.candidates
             elif isinstance(event, CanvasEvent):
@@ -198,6 +311,8 @@ def solve_with_engine(model: Any, tokenizer: Any, puzzle: str, params: Any, ctx:
     finally:
         if own:
             ctx.close()
+    if committed is None:  # cancelled before the canvas was committed
+        return Solution("?" * CANVAS, 0, seconds, candidate_steps)
     canvas = list(committed.canvas)
     if committed.eos_position is not None:  # as transformers: the EOS ends the answer (pad after it)
         canvas = canvas[:committed.eos_position]
@@ -235,20 +350,21 @@ def run_sudoku(context: TaskContext) -> bool:
     spinner = Spinner(sys.stderr, enabled=tty and view is None and is_tty(sys.stderr))
     user_seed = context.settings.options.get("seed")
     user_seed = None if user_seed is None else int(user_seed)
-    grid, tries, steps = "?" * CANVAS, 0, 0
+    symmetries = attempt_symmetries(MAX_TRIES, user_seed)
+
+    def one_try(attempt: Attempt) -> tuple[str, int]:
+        seed = None if user_seed is None else user_seed + attempt.index
+        return _one_try(context, puzzle, symmetries[attempt.index], seed, attempt, view, spinner)
+
     try:
         spinner.start("solving")
-        for attempt, symmetry in enumerate(attempt_symmetries(MAX_TRIES, user_seed)):
-            tries += 1
-            seed = None if user_seed is None else user_seed + attempt
-            grid, used = _one_try(context, puzzle, symmetry, seed, attempt, view, spinner)
-            steps += used
-            if is_solution(puzzle, grid):
-                break
+        outcome = first_solution(one_try, MAX_TRIES, generation_slots(context.show),
+                                 solved=lambda answer: is_solution(puzzle, answer[0]))
     finally:
         spinner.stop()
         if view is not None:
             view.stop()
+    grid, tries, steps = outcome.committed[0], len(outcome.results), sum(used for _, used in outcome.results)
     solved = is_solution(puzzle, grid)
     if console is not None:
         print_grid(console, puzzle, grid)
@@ -262,10 +378,23 @@ def run_sudoku(context: TaskContext) -> bool:
     return True
 
 
-def _one_try(context: TaskContext, puzzle: str, symmetry: Symmetry, seed: int | None, attempt: int,
+def generation_slots(show: dict[str, Any]) -> int:
+    """How many generations the server runs at once for this model: its `PARAMETER num_parallel`, as `/api/show`
+    lists it (1 when absent)."""
+    for line in str(show.get("parameters") or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == "num_parallel":
+            try:
+                return max(1, int(value.strip()))
+            except ValueError:
+                return 1
+    return 1
+
+
+def _one_try(context: TaskContext, puzzle: str, symmetry: Symmetry, seed: int | None, attempt: Attempt,
              view: LiveGrid | None, spinner: Any) -> tuple[str, int]:
     """One generation over the REST API on `puzzle` under `symmetry`; returns (answer grid mapped back to `puzzle`,
-    denoising steps)."""
+    denoising steps). Closing the stream early (attempt.cancel) makes the server stop that generation."""
     from dgemma_cli.session import chunk_text, is_progress
 
     options = {"num_predict": CANVAS, **context.settings.options}
@@ -282,15 +411,19 @@ def _one_try(context: TaskContext, puzzle: str, symmetry: Symmetry, seed: int | 
     chunks = context.client.generate_stream(body)
     try:
         for chunk in chunks:
+            if attempt.cancel.is_set():
+                break
             if chunk.get("done"):
                 steps = int(chunk.get("denoise_steps") or steps)
             elif is_progress(chunk):
                 steps = int(chunk.get("completed") or steps)
-                spinner.set(f"solving · step {chunk.get('completed')}/{chunk.get('total')}")
+                if not attempt.leading():
+                    continue
+                counter = f"step {chunk.get('completed')}/{chunk.get('total')}"
+                if attempt.index:
+                    counter += f" · try {attempt.index + 1}"
+                spinner.set(f"solving · {counter}")
                 if view is not None and chunk.get("preview") is not None:
-                    counter = f"step {chunk.get('completed')}/{chunk.get('total')}"
-                    if attempt:
-                        counter += f" · try {attempt + 1}"
                     view.update(symmetry.undo(answer_grid(str(chunk["preview"]))), counter)
             else:
                 text += chunk_text(chunk)[0]

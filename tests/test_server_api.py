@@ -541,6 +541,23 @@ def test_num_parallel_runs_generations_side_by_side(make_server):
     assert [results[i][0] for i in range(3)] == [200, 200, 200] and behaviour.loads == 1
 
 
+def test_a_models_num_parallel_parameter_sets_its_slots(make_server):
+    """`PARAMETER num_parallel 2` gives that model two slots on a server whose default is one; `other` keeps one."""
+    server, behaviour, store = make_server(behaviour=FakeBehaviour(answer="p" * 8, steps=5, step_delay=0.08))
+    add_model(store, "pair", store.resolve("tiny").gguf_path, parameters={"num_parallel": 2})
+    for name, side_by_side in (("pair", 2), ("other", 1)):
+        results: dict = {}
+        before = behaviour.generations
+        threads = [_stream_in_thread(server.url + "/api/generate", {"model": name, "prompt": "x"}, results, i)
+                   for i in range(3)]
+        assert _eventually(lambda: behaviour.generations - before == side_by_side)
+        time.sleep(0.1)
+        assert behaviour.generations - before == side_by_side  # the rest wait for a slot
+        for thread in threads:
+            thread.join()
+        assert [results[i][0] for i in range(3)] == [200, 200, 200]
+
+
 def test_langchain_chatollama_request_shape(make_server):
     """The body LangChain's ChatOllama sends by default: every Ollama option present (mostly null), empty images,
     empty tools, format "" and keep_alive null. It must be accepted, and the final chunk carries the usage counts."""

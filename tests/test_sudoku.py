@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import threading
+import time
 import tomllib
 from pathlib import Path
 
@@ -138,6 +140,90 @@ def test_run_gives_up_after_max_tries_with_a_warning(capsys):
     assert f"not a valid solution ({sudoku.MAX_TRIES} tries)" in out.err
 
 
+def test_run_with_two_slots_tries_side_by_side_and_commits_the_sequential_answer(capsys):
+    """The model's num_parallel (as /api/show lists it) sets how many tries run at once; the answer is still the
+    first try that solves, and no try after it is started."""
+    symmetries = sudoku.attempt_symmetries(sudoku.MAX_TRIES, seed=3)
+    index_of = {s.apply(PUZZLE): i for i, s in enumerate(symmetries)}
+    running, most = set(), [0]
+    lock = threading.Lock()
+
+    class SlowClient(ScriptedClient):
+        def generate_stream(self, body):
+            index = index_of[body["prompt"]]
+            with lock:
+                running.add(index)
+                most[0] = max(most[0], len(running))
+            time.sleep(0.02 if index % 2 == 0 else 0.1)  # worker 1 is on try 2 while worker 2 is still on try 1
+            with lock:
+                self.prompts.append(body["prompt"])
+                running.discard(index)
+            answer = symmetries[index].apply(SOLUTION)  # tries 3 and 5 (index 2 and 4) solve
+            yield {"response": answer if index in (2, 4) else answer[::-1]}
+            yield {"done": True, "denoise_steps": 5}
+
+    from dgemma_cli.session import RunSettings, TaskContext
+
+    client = SlowClient(None)
+    show = {"model_info": {"diffusion.canvas_length": 81}, "template": MODELFILE.read_text(),
+            "parameters": 'num_parallel                   2\nnum_predict                    81'}
+    settings = RunSettings(model="sudoku", options={"seed": 3}, verbose=True)
+    assert sudoku.run_sudoku(TaskContext(client, show, PUZZLE, settings))
+    out = capsys.readouterr()
+    assert out.out.replace("\n", "") == SOLUTION and "tries: 3" in out.err and "denoising steps: 15" in out.err
+    assert most[0] == 2 and sorted(index_of[p] for p in client.prompts) == [0, 1, 2]
+
+
+def test_generation_slots_reads_num_parallel_from_show():
+    assert sudoku.generation_slots({}) == 1
+    assert sudoku.generation_slots({"parameters": "num_predict                    81"}) == 1
+    assert sudoku.generation_slots({"parameters": "num_ctx                        8\nnum_parallel                   3"}) == 3
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 5])
+@pytest.mark.parametrize("solving", [(), (0,), (1,), (4, 6), (2, 3), (7,)])
+def test_first_solution_commits_what_a_sequential_run_would(workers, solving):
+    started = []
+    lock = threading.Lock()
+
+    def attempt(a):
+        with lock:
+            started.append(a.index)
+        time.sleep(0.002 * ((a.index * 7) % 3))  # uneven durations: tries finish out of order
+        return a.index
+
+    outcome = sudoku.first_solution(attempt, 8, workers, solved=lambda index: index in solving)
+    first = min(solving) if solving else 7
+    assert outcome.results == list(range(first + 1)) and outcome.committed == first
+    assert sorted(started) == list(range(outcome.started)) and outcome.started >= first + 1
+
+
+def test_first_solution_cancels_a_later_try_once_an_earlier_one_solves():
+    later_started, seen = threading.Event(), {}
+
+    def attempt(a):
+        if a.index == 0:
+            assert later_started.wait(5)
+            return "solved"
+        later_started.set()
+        seen[a.index] = (a.cancel.wait(5), a.leading())
+        return "late"
+
+    outcome = sudoku.first_solution(attempt, 4, 2, solved=lambda r: r == "solved")
+    assert outcome.results == ["solved"] and outcome.started == 2 and seen == {1: (True, True)}
+
+
+def test_first_solution_raises_what_a_try_raised():
+    def attempt(a):
+        if a.index == 1:
+            raise DgemmaError("server went away")
+        time.sleep(0.01)
+        return False
+
+    with pytest.raises(DgemmaError, match="server went away"):
+        sudoku.first_solution(attempt, 6, 2, solved=bool)
+
+
 def test_answer_grid_and_plain_lines():
     assert sudoku.answer_grid(SOLUTION) == SOLUTION
     assert sudoku.answer_grid(SOLUTION[:80]) == SOLUTION[:80] + "?"
@@ -154,7 +240,8 @@ def test_modelfile_template_is_the_recipes_chat_template():
     assert MODELFILE.read_text().startswith("# ")
     assert mf.from_ == "./sudoku.gguf"
     assert mf.template == vocab.CHAT_TEMPLATE
-    assert mf.parameters == {"num_predict": 81, "num_canvases": 1, "diffusion_steps": 12, "num_thread": 2}
+    assert mf.parameters == {"num_predict": 81, "num_canvases": 1, "diffusion_steps": 12, "num_parallel": 2,
+                             "num_thread": 1}
 
 
 def test_prompt_text_is_what_the_template_renders_and_tokenizes_like_the_recipe():
@@ -229,7 +316,8 @@ def test_register_bundled_into_an_empty_store(tmp_path):
     local = store.resolve("sudoku")
     assert local.gguf_path.read_bytes() == GGUF.read_bytes()
     assert local.template == vocab.CHAT_TEMPLATE
-    assert local.parameters == {"num_predict": 81, "num_canvases": 1, "diffusion_steps": 12, "num_thread": 2}
+    assert local.parameters == {"num_predict": 81, "num_canvases": 1, "diffusion_steps": 12, "num_parallel": 2,
+                                "num_thread": 1}
     assert local.config["model_family"] == "diffusion-gemma" and local.config["template_format"] == "jinja"
     manifest = store.read_manifest("sudoku").raw
     assert register_bundled(store, ModelName.parse("sudoku"))  # already there: left alone

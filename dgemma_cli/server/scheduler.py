@@ -6,8 +6,9 @@
 - Residency: at most `DGEMMA_MAX_LOADED_MODELS` runners; loading beyond that evicts the idle runner whose keep-alive
   ends first, or waits while all are busy. A runner whose refcount drops to 0 expires after its `keep_alive`
   (0 = at once, FOREVER = never); a new request cancels the timer.
-- One generation at a time per model (`DGEMMA_NUM_PARALLEL` slots). Generations run in worker threads; the lease is
-  released by the worker when it finishes, so a cancelled generation frees the slot at its next denoising step.
+- One generation at a time per model (`DGEMMA_NUM_PARALLEL` slots, or the model's own `PARAMETER num_parallel`).
+  Generations run in worker threads; the lease is released by the worker when it finishes, so a cancelled generation
+  frees the slot at its next denoising step.
 """
 import asyncio
 import contextlib
@@ -32,6 +33,12 @@ _ticket: contextvars.ContextVar["_Ticket | None"] = contextvars.ContextVar("dgem
 
 # load-time options that change where the weights go: a runner loaded with other values is reloaded
 PLACEMENT_OPTIONS = ("num_gpu", "num_cpu_moe")
+
+
+def generation_slots(model: Any, default: int) -> int:
+    """Concurrent generations for `model`: its Modelfile's `num_parallel` (checked at create), else the server's."""
+    value = (getattr(model, "parameters", None) or {}).get("num_parallel")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else default
 
 
 def model_identity(model: Any) -> tuple:
@@ -184,7 +191,7 @@ class Scheduler:
                     model=model,
                     num_ctx=num_ctx,
                     keep_alive=self.config.keep_alive if keep_alive is None else keep_alive,
-                    slots=asyncio.Semaphore(self.config.num_parallel),
+                    slots=asyncio.Semaphore(generation_slots(model, self.config.num_parallel)),
                     ready=loop.create_future(),
                     refcount=1,
                 )

@@ -78,7 +78,7 @@ DG_API double dg_bench_mul_mat(int type, int64_t k, int64_t m, int64_t n, int n_
     struct ggml_tensor *x = n_expert > 0 ? ggml_new_tensor_3d(ctx, GGML_TYPE_F32, k, 1, n)
                                          : ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n);
     struct ggml_tensor *ids = n_expert > 0 ? ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_used, n) : NULL;
-    struct ggml_tensor *y = n_expert == 0 ? (engine_op == 1 ? dg_build_qmatmul(ctx, w, x, dg_qk_default_path()) : NULL)
+    struct ggml_tensor *y = n_expert == 0 ? (engine_op == 1 ? dg_build_weight_matmul(ctx, w, x, true) : NULL)
                            : engine_op == 1 ? dg_build_expert_matmul(ctx, w, x, ids)
                                             : ggml_mul_mat_id(ctx, w, x, ids);
     if (!y) y = ggml_mul_mat(ctx, w, x);
@@ -173,6 +173,47 @@ DG_API double dg_check_expert_matmul(int64_t kd, int64_t n, int n_expert, int n_
     }
     ggml_backend_graph_compute(backend, gf);
     result = dg_max_rel_diff(tiled->data, ref->data, ggml_nelements(ref));
+done:
+    if (buf) ggml_backend_buffer_free(buf);
+    if (backend) ggml_backend_free(backend);
+    if (ctx) ggml_free(ctx);
+    return result;
+}
+
+// Test hook: the engine's F32 weight product (f32_matmul.c) against ggml_mul_mat on the same random data (w [kd, n],
+// x [kd, t], rows of x `x_stride` floats apart, ≥ kd). Returns max |Δ| / max |y|; -1 for invalid arguments or no
+// memory, -2 when the op does not apply on this CPU. *out (t·n floats, may be NULL) receives the op's result.
+DG_API double dg_check_f32_matmul(int64_t kd, int64_t n, int64_t t, int64_t x_stride, int n_threads, uint64_t seed,
+                                  float *out) {
+    if (kd < 1 || n < 1 || t < 1 || x_stride < kd || n_threads < 1 || kd * n > ((int64_t)1 << 28) ||
+        x_stride * t > ((int64_t)1 << 28))
+        return -1;
+    struct ggml_init_params ip = {ggml_tensor_overhead() * 8 + ggml_graph_overhead(), NULL, true};
+    struct ggml_context *ctx = ggml_init(ip);
+    ggml_backend_t backend = ggml_backend_cpu_init();
+    ggml_backend_buffer_t buf = NULL;
+    double result = -1;
+    if (!ctx || !backend) goto done;
+    ggml_backend_cpu_set_n_threads(backend, n_threads);
+    struct ggml_tensor *w = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, kd, n);
+    struct ggml_tensor *xs = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, x_stride, t);
+    struct ggml_tensor *x = ggml_view_2d(ctx, xs, kd, t, xs->nb[1], 0);  // strided rows, as a view of a wider tensor
+    struct ggml_tensor *packed = dg_build_f32_matmul(ctx, w, x);
+    if (!packed) {
+        result = -2;
+        goto done;
+    }
+    struct ggml_tensor *ref = ggml_mul_mat(ctx, w, ggml_cont(ctx, x));
+    struct ggml_cgraph *gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, packed);
+    ggml_build_forward_expand(gf, ref);
+    buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+    if (!buf) goto done;
+    for (int64_t i = 0; i < ggml_nelements(w); i++) ((float *)w->data)[i] = dg_rand_float(&seed);
+    for (int64_t i = 0; i < ggml_nelements(xs); i++) ((float *)xs->data)[i] = dg_rand_float(&seed);
+    ggml_backend_graph_compute(backend, gf);
+    result = dg_max_rel_diff(packed->data, ref->data, ggml_nelements(ref));
+    if (out) memcpy(out, packed->data, ggml_nbytes(packed));
 done:
     if (buf) ggml_backend_buffer_free(buf);
     if (backend) ggml_backend_free(backend);

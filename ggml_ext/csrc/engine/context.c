@@ -366,10 +366,16 @@ static void free_step_graphs(dg_context *c) {
 }
 
 // P·E for probabilities p [V, n]: [H, n]. F32 files: slice by slice of the transposed copy (see
-// dg_make_transposed_embedding); otherwise the soft-embedding op on the stored embedding, one slice per thread.
+// dg_make_transposed_embedding); one slice on the CPU is the F32 weight product (f32_matmul.c) over the V valid rows,
+// which needs no padding. Otherwise the soft-embedding op on the stored embedding, one slice per thread.
 static struct ggml_tensor *soft_embedding(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *p) {
     if (!m->embd_t) return dg_build_soft_embedding(ctx, m->tok_embd, p, m->n_threads, dg_soft_embedding_isa());
     const int64_t V = m->hp.n_vocab, H = m->hp.n_embd, n = p->ne[1], KC = m->sc_chunk, NCH = m->sc_chunks;
+    if (NCH == 1 && dg_unit_fast(m, m->hp.n_layer)) {
+        struct ggml_tensor *e = ggml_view_2d(ctx, m->embd_t, V, H, m->embd_t->nb[1], 0);
+        struct ggml_tensor *y = dg_build_f32_matmul(ctx, e, p);
+        if (y) return y;
+    }
     if (KC * NCH != V) p = ggml_pad(ctx, p, (int)(KC * NCH - V), 0, 0, 0);  // zero probabilities for padding rows
     p = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_3d(ctx, p, KC, NCH, n), 0, 2, 1, 3));  // [KC, n, NCH]
     struct ggml_tensor *parts = ggml_mul_mat(ctx, m->embd_t, p);                             // [H, n, NCH]

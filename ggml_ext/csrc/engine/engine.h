@@ -208,9 +208,12 @@ struct ggml_tensor *dg_build_expert_matmul_isa(struct ggml_context *ctx, struct 
                                                struct ggml_tensor *ids, int isa);
 int dg_expert_matmul_isa(void);
 // qkernels.c: ggml_mul_mat(w, x) of a weight; fast (its node runs on the CPU): through the engine's quantized kernels
-// where they cover the weight's type
+// where they cover the weight's type, F32 weights through f32_matmul.c
 struct ggml_tensor *dg_build_weight_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
                                            bool fast);
+// f32_matmul.c: ggml_mul_mat(w, x) for a 2-D F32 weight and F32 x [K, T] as a panel-packed custom op (AVX2 + FMA);
+// NULL where it does not apply (then ggml's own matmul)
+struct ggml_tensor *dg_build_f32_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x);
 
 // soft_embedding.c: P [V, n] · E for an embedding E [H, V] of any dequantizable type, in E's stored layout:
 // [H, n]. `slices` vocabulary ranges are summed separately (one per thread); isa 0 portable, 1 AVX2 + FMA.

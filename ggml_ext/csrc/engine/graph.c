@@ -3,9 +3,9 @@
 // Exactness notes (each is covered by a test against transformers):
 // - GELU (tanh form) is computed in plain f32 (x·σ(2u), fused with the ·up product; on AVX2 with an 8-wide exp
 //   within 2 ulp of expf): ggml's gelu/geglu on the CPU go through an fp16 lookup table, which misses 1e-4.
-// - Two forms of the same arithmetic: the fast one with CPU-only custom ops (fused GELU, tiled F32 experts) for
-//   nodes that run on the CPU, and a standard-op one (what any ggml backend runs) for nodes placed on an
-//   accelerator, or everywhere with DGEMMA_STANDARD_OPS (docs/engine.md#devices).
+// - Two forms of the same arithmetic: the fast one with CPU-only custom ops (fused GELU, tiled F32 experts, packed
+//   F32 weight products) for nodes that run on the CPU, and a standard-op one (what any ggml backend runs) for
+//   nodes placed on an accelerator, or everywhere with DGEMMA_STANDARD_OPS (docs/engine.md#devices).
 // - RoPE is NEOX with n_dims = head_dim; full layers get the partial rotary through `rope_freqs` factors.
 // - Attention scale is 1.0 (q and k are RMS-normalised instead).
 // - LoRA adapters (lora.c) add b·(a·x) to a weight's matmul, with the encoder's or the decoder's delta by pass; the

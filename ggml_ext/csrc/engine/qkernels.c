@@ -280,8 +280,10 @@ struct ggml_tensor *dg_build_qmatmul(struct ggml_context *ctx, struct ggml_tenso
 
 struct ggml_tensor *dg_build_weight_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
                                            bool fast) {
-    struct ggml_tensor *q = fast ? dg_build_qmatmul(ctx, w, x, dg_qk_default_path()) : NULL;
-    return q ? q : ggml_mul_mat(ctx, w, x);
+    if (!fast) return ggml_mul_mat(ctx, w, x);
+    struct ggml_tensor *y = w->type == GGML_TYPE_F32 ? dg_build_f32_matmul(ctx, w, x)
+                                                     : dg_build_qmatmul(ctx, w, x, dg_qk_default_path());
+    return y ? y : ggml_mul_mat(ctx, w, x);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
