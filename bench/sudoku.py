@@ -15,6 +15,8 @@ generated with sampler seed i:
   retries, each under a new random symmetry of the puzzle (up to MAX_TRIES), `num_parallel` of them side by side at
   `num_thread` threads each, with the server's default (fast) RNG: solve rate, mean denoising steps per candidate,
   wall time per puzzle;
+- the same through `dgemma run sudoku --seed i`'s own code (first --run-n puzzles): the task renderer over the REST
+  API of an in-process server, run's seeds (i, i + 1, ... per try);
 - transformers' generate() on the original checkpoint (first --hf-n puzzles, same seeds, adaptive): solve rate, mean
   steps, wall time, and the agreement with dgemma puzzle by puzzle (identical grid; identical step count).
 
@@ -161,6 +163,55 @@ class Dgemma:
                 "max_s_per_puzzle": round(max(seconds), 4) if seconds else None}
 
 
+def through_run(cases: list[tuple[str, str]]) -> dict:
+    """The `dgemma run sudoku --seed i PUZZLE` command's own code: its task renderer over the REST API of an
+    in-process server (as `run` starts one) on a fresh store where the bundled model registers itself as on first
+    use. Adds what the engine path leaves out: HTTP, the server's request handling and its progress stream. Seconds
+    per puzzle exclude the one model load (the first request's)."""
+    import contextlib
+    import io
+    import os
+    import re
+    import tempfile
+
+    from dgemma_cli.bundled import register_bundled
+    from dgemma_cli.local_server import connect
+    from dgemma_cli.names import ModelName
+    from dgemma_cli.session import RunSettings, TaskContext
+    from dgemma_cli.store import Store
+    from dgemma_cli.sudoku import run_sudoku
+
+    solved, seconds, tries = [], [], 0
+    with tempfile.TemporaryDirectory() as store_dir:
+        register_bundled(Store(Path(store_dir)), ModelName.parse("sudoku"))
+        saved = {k: os.environ.get(k) for k in ("DGEMMA_MODELS", "DGEMMA_HOST")}
+        os.environ.update(DGEMMA_MODELS=store_dir, DGEMMA_HOST="127.0.0.1:1")  # nothing listens there: in-process
+        try:
+            with connect() as client:
+                show = client.show("sudoku")
+                for _ in client.generate_stream({"model": "sudoku", "prompt": cases[0][0]}):  # loads the model
+                    pass
+                for i, (puzzle, _) in enumerate(cases):
+                    out, err = io.StringIO(), io.StringIO()
+                    settings = RunSettings(model="sudoku", options={"seed": i}, verbose=True)
+                    t0 = time.perf_counter()
+                    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                        run_sudoku(TaskContext(client, show, puzzle, settings))
+                    seconds.append(time.perf_counter() - t0)
+                    solved.append(puzzles.is_valid_solution(puzzle, out.getvalue().replace("\n", "")))
+                    tries += int(re.search(r"tries: (\d+)", err.getvalue()).group(1))
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    return {"n": len(cases), "solved": sum(solved), "solve_rate": round(sum(solved) / max(1, len(cases)), 4),
+            "mean_attempts": round(tries / max(1, len(cases)), 2),
+            "s_per_puzzle": round(statistics.fmean(seconds), 4) if seconds else None,
+            "max_s_per_puzzle": round(max(seconds), 4) if seconds else None}
+
+
 def run_transformers(checkpoint: Path, cases: list[tuple[str, str]], threads: int) -> Run:
     import reference
 
@@ -188,6 +239,8 @@ def main() -> None:
                     help="the delivered configuration's PARAMETERs")
     ap.add_argument("--delivered-n", type=int, default=None, help="puzzles per level as `run` delivers them "
                     "(default: --n; 0 skips it)")
+    ap.add_argument("--run-n", type=int, default=0, help="puzzles per level through `dgemma run`'s own code "
+                    "(task renderer, REST, in-process server; default 0: skipped)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", type=Path, default=Path("/tmp/dgemma-sudoku-bench"), help="puzzle set cache")
     ap.add_argument("--json", type=Path, help="write the results here")
@@ -215,6 +268,8 @@ def main() -> None:
         delivered_n = args.n if args.delivered_n is None else min(args.delivered_n, args.n)
         if delivered_n > 0:
             row["delivered"] = engine.delivered(cases[:delivered_n], parameters, MAX_TRIES)
+        if args.run_n > 0:
+            row["through_run"] = through_run(cases[:args.run_n])
         if hf_n > 0:
             hf = run_transformers(args.checkpoint, cases[:hf_n], args.threads)
             row["transformers"] = hf.summary(cases[:hf_n])
@@ -232,14 +287,16 @@ def main() -> None:
 
 
 def print_table(results: dict) -> None:
-    print("\n| level | solved as `run` delivers | steps per candidate | s/puzzle | plain model, one canvas | "
-          "mean steps | s/puzzle | solved (fixed 48) | transformers solved | mean steps (tf) | agreement |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| level | solved as `run` delivers | steps per candidate | s/puzzle | through `run` (s/puzzle) | "
+          "plain model, one canvas | mean steps | s/puzzle | solved (fixed 48) | transformers solved | "
+          "mean steps (tf) | agreement |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for level, row in results["levels"].items():
-        a, f, d = row["adaptive"], row.get("fixed48") or {}, row.get("delivered") or {}
+        a, f, d, r = row["adaptive"], row.get("fixed48") or {}, row.get("delivered") or {}, row.get("through_run") or {}
         tf, agree = row.get("transformers") or {}, row.get("agreement") or {}
         cells = [level, f"{d['solve_rate']:.1%} ({d['solved']}/{d['n']})" if d else "-",
                  d.get("mean_steps_per_candidate", "-"), d.get("s_per_puzzle", "-"),
+                 f"{r['solve_rate']:.1%} ({r['s_per_puzzle']})" if r else "-",
                  f"{a['solve_rate']:.1%} ({a['solved']}/{a['n']})", a["mean_steps"], a["s_per_puzzle"],
                  f"{f['solve_rate']:.1%}" if f else "-",
                  f"{tf['solve_rate']:.1%} ({tf['solved']}/{tf['n']})" if tf else "-", tf.get("mean_steps", "-"),

@@ -104,6 +104,8 @@ def test_diffusion_parameters_are_typed_and_deprecated_ones_dropped():
      "invalid value for diffusion_t_max: 0.4 (must be at least diffusion_t_min (0.5))"),
     ({"diffusion_entropy_bound": 0.0}, "invalid value for diffusion_entropy_bound: 0 (must be greater than 0)"),
     ({"diffusion_stability_threshold": 0}, "invalid value for diffusion_stability_threshold: 0 (must be at least 1)"),
+    ({"num_parallel": 0}, "invalid value for num_parallel: 0 (must be between 1 and 64)"),
+    ({"num_parallel": 100000}, "invalid value for num_parallel: 100000 (must be between 1 and 64)"),
 ])
 def test_range_checks(params, message):
     with pytest.raises(ModelfileError) as exc:
