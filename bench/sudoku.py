@@ -21,7 +21,8 @@ generated with sampler seed i:
   steps, wall time, and the agreement with dgemma puzzle by puzzle (identical grid; identical step count).
 
 "Solved" = a complete grid that keeps every clue and breaks no rule (puzzles.is_valid_solution). Timings are per
-puzzle at batch 1 with --threads threads (the delivered path: the Modelfile's num_parallel x num_thread). Without torch/transformers installed, pass --hf-n 0.
+puzzle at batch 1 with --threads threads (the delivered path: the Modelfile's num_parallel x num_thread). Without
+torch/transformers installed, pass --hf-n 0.
 """
 from __future__ import annotations
 

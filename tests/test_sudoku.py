@@ -177,7 +177,8 @@ def test_run_with_two_slots_tries_side_by_side_and_commits_the_sequential_answer
 def test_generation_slots_reads_num_parallel_from_show():
     assert sudoku.generation_slots({}) == 1
     assert sudoku.generation_slots({"parameters": "num_predict                    81"}) == 1
-    assert sudoku.generation_slots({"parameters": "num_ctx                        8\nnum_parallel                   3"}) == 3
+    listed = "num_ctx                        8\nnum_parallel                   3"
+    assert sudoku.generation_slots({"parameters": listed}) == 3
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3, 5])
