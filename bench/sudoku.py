@@ -10,13 +10,15 @@ generated with sampler seed i:
 - dgemma, adaptive stop (the GGUF's sampler settings, torch-RNG mode): solve rate, mean denoising steps, wall time
   per puzzle;
 - dgemma, a fixed 48 steps (the early stop disabled; first --fixed-n puzzles): solve rate, wall time;
-- dgemma as `dgemma run sudoku` delivers it: the bundled Modelfile's parameters (num_canvases candidates among
-  them), the server's Sudoku checker choosing among the candidates and renoising cells that break a rule, and run's
-  retries, each under a new random symmetry of the puzzle (up to MAX_TRIES), `num_parallel` of them side by side at
-  `num_thread` threads each, with the server's default (fast) RNG: solve rate, mean denoising steps per candidate,
-  wall time per puzzle;
-- the same through `dgemma run sudoku --seed i`'s own code (first --run-n puzzles): the task renderer over the REST
-  API of an in-process server, run's seeds (i, i + 1, ... per try);
+- dgemma as the server's task layer delivers it (dgemma_cli/server/tasks.py), on the engine directly: the bundled
+  Modelfile's parameters (num_canvases candidates among them), the Sudoku checker choosing among the candidates and
+  renoising cells that break a rule, and retries, each under a new random symmetry of the puzzle (up to the
+  Modelfile's task_tries), `num_parallel` of them side by side at `num_thread` threads each, with the server's
+  default (fast) RNG: solve rate, mean denoising steps per candidate, wall time per puzzle;
+- the same through `dgemma run sudoku --seed i`'s own code (first --run-n puzzles): its renderer over the REST API of
+  an in-process server, the tries made by the server (seeds i, i + 1, ... per try);
+- the same through `/api/chat` with the `ollama` Python client (first --api-n puzzles, seed i): any client's path,
+  with the answer's `done_reason` ("stop" exactly when the grid is a solution);
 - transformers' generate() on the original checkpoint (first --hf-n puzzles, same seeds, adaptive): solve rate, mean
   steps, wall time, and the agreement with dgemma puzzle by puzzle (identical grid; identical step count).
 
@@ -27,10 +29,15 @@ torch/transformers installed, pass --hf-n 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import re
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,7 +129,9 @@ class Dgemma:
         from dgemma_engine.generate import SamplerParams
         from dgemma_engine.model import Context
 
-        from dgemma_cli.sudoku import attempt_symmetries, first_solution, solve_with_engine
+        from dgemma_cli.server.tasks import first_solution
+        from dgemma_cli.sudoku import solve_with_engine
+        from dgemma_engine.tasks import attempt_symmetries
 
         overrides = sampler_overrides(parameters)
         n_canvases = int(overrides.get("num_canvases", 1))
@@ -164,51 +173,81 @@ class Dgemma:
                 "max_s_per_puzzle": round(max(seconds), 4) if seconds else None}
 
 
-def through_run(cases: list[tuple[str, str]]) -> dict:
-    """The `dgemma run sudoku --seed i PUZZLE` command's own code: its task renderer over the REST API of an
-    in-process server (as `run` starts one) on a fresh store where the bundled model registers itself as on first
-    use. Adds what the engine path leaves out: HTTP, the server's request handling and its progress stream. Seconds
-    per puzzle exclude the one model load (the first request's)."""
-    import contextlib
-    import io
-    import os
-    import re
-    import tempfile
-
+@contextlib.contextmanager
+def in_process_server() -> Iterator[str]:
+    """The REST app served in this process (as `run` starts one when no server answers) on a fresh store where the
+    bundled model registers itself as on first use; yields its base URL."""
     from dgemma_cli.bundled import register_bundled
-    from dgemma_cli.local_server import connect
+    from dgemma_cli.local_server import LocalServer
     from dgemma_cli.names import ModelName
-    from dgemma_cli.session import RunSettings, TaskContext
     from dgemma_cli.store import Store
-    from dgemma_cli.sudoku import run_sudoku
 
-    solved, seconds, tries = [], [], 0
     with tempfile.TemporaryDirectory() as store_dir:
         register_bundled(Store(Path(store_dir)), ModelName.parse("sudoku"))
-        saved = {k: os.environ.get(k) for k in ("DGEMMA_MODELS", "DGEMMA_HOST")}
-        os.environ.update(DGEMMA_MODELS=store_dir, DGEMMA_HOST="127.0.0.1:1")  # nothing listens there: in-process
+        saved = os.environ.get("DGEMMA_MODELS")
+        os.environ["DGEMMA_MODELS"] = store_dir
         try:
-            with connect() as client:
-                show = client.show("sudoku")
-                for _ in client.generate_stream({"model": "sudoku", "prompt": cases[0][0]}):  # loads the model
-                    pass
-                for i, (puzzle, _) in enumerate(cases):
-                    out, err = io.StringIO(), io.StringIO()
-                    settings = RunSettings(model="sudoku", options={"seed": i}, verbose=True)
-                    t0 = time.perf_counter()
-                    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                        run_sudoku(TaskContext(client, show, puzzle, settings))
-                    seconds.append(time.perf_counter() - t0)
-                    solved.append(puzzles.is_valid_solution(puzzle, out.getvalue().replace("\n", "")))
-                    tries += int(re.search(r"tries: (\d+)", err.getvalue()).group(1))
+            server = LocalServer()
+            server.start()
         finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            if saved is None:
+                os.environ.pop("DGEMMA_MODELS")
+            else:
+                os.environ["DGEMMA_MODELS"] = saved
+        try:
+            yield server.url
+        finally:
+            server.stop()
+
+
+def through_run(cases: list[tuple[str, str]]) -> dict:
+    """The `dgemma run sudoku --seed i PUZZLE` command's own code: its renderer over the REST API of an in-process
+    server. Adds what the engine path leaves out: HTTP, the server's request handling and its progress stream. Seconds
+    per puzzle exclude the one model load (the first request's)."""
+    import io
+
+    from dgemma_cli.client import Client, http_client
+    from dgemma_cli.session import RunSettings
+    from dgemma_cli.sudoku import solve_and_show
+
+    solved, seconds, tries = [], [], 0
+    with in_process_server() as url, http_client(url) as http:
+        client = Client(url, http)
+        for _ in client.generate_stream({"model": "sudoku", "prompt": cases[0][0]}):  # loads the model
+            pass
+        for i, (puzzle, _) in enumerate(cases):
+            out, err = io.StringIO(), io.StringIO()
+            settings = RunSettings(model="sudoku", options={"seed": i}, verbose=True)
+            t0 = time.perf_counter()
+            solve_and_show(client, settings, puzzle, out=out, err=err)
+            seconds.append(time.perf_counter() - t0)
+            solved.append(puzzles.is_valid_solution(puzzle, out.getvalue().replace("\n", "")))
+            tries += int(re.search(r"task tries:\s+(\d+)", err.getvalue()).group(1))
     return {"n": len(cases), "solved": sum(solved), "solve_rate": round(sum(solved) / max(1, len(cases)), 4),
             "mean_attempts": round(tries / max(1, len(cases)), 2),
+            "s_per_puzzle": round(statistics.fmean(seconds), 4) if seconds else None,
+            "max_s_per_puzzle": round(max(seconds), 4) if seconds else None}
+
+
+def through_api(cases: list[tuple[str, str]]) -> dict:
+    """`/api/chat` with the `ollama` Python client, as any client sends it: the puzzle as the user message, `seed` i,
+    one request per puzzle (the tries are the server's). Counts the solved grids, the answers whose `done_reason` is
+    "stop", and those where the two disagree (there should be none). Seconds per puzzle exclude the model load."""
+    import ollama
+
+    solved, stops, disagree, seconds = 0, 0, 0, []
+    with in_process_server() as url:
+        client = ollama.Client(host=url)
+        client.chat(model="sudoku", messages=[{"role": "user", "content": cases[0][0]}])  # loads the model
+        for i, (puzzle, _) in enumerate(cases):
+            t0 = time.perf_counter()
+            answer = client.chat(model="sudoku", messages=[{"role": "user", "content": puzzle}], options={"seed": i})
+            seconds.append(time.perf_counter() - t0)
+            ok = puzzles.is_valid_solution(puzzle, answer.message.content)
+            stop = answer.done_reason == "stop"
+            solved, stops, disagree = solved + ok, stops + stop, disagree + (ok != stop)
+    return {"n": len(cases), "solved": solved, "solve_rate": round(solved / max(1, len(cases)), 4),
+            "done_reason_stop": stops, "stop_but_unsolved_or_solved_but_not_stop": disagree,
             "s_per_puzzle": round(statistics.fmean(seconds), 4) if seconds else None,
             "max_s_per_puzzle": round(max(seconds), 4) if seconds else None}
 
@@ -242,14 +281,14 @@ def main() -> None:
                     "(default: --n; 0 skips it)")
     ap.add_argument("--run-n", type=int, default=0, help="puzzles per level through `dgemma run`'s own code "
                     "(task renderer, REST, in-process server; default 0: skipped)")
+    ap.add_argument("--api-n", type=int, default=0, help="puzzles per level through `/api/chat` with the ollama "
+                    "Python client (in-process server; default 0: skipped)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", type=Path, default=Path("/tmp/dgemma-sudoku-bench"), help="puzzle set cache")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     hf_n = args.n if args.hf_n is None else min(args.hf_n, args.n)
     fixed_n = args.n if args.fixed_n is None else min(args.fixed_n, args.n)
-
-    from dgemma_cli.sudoku import MAX_TRIES
 
     parameters = modelfile_parameters(args.modelfile)
     engine = Dgemma(args.gguf, args.threads)
@@ -268,9 +307,11 @@ def main() -> None:
             row["fixed48"] = engine.run(cases[:fixed_n], adaptive=False).summary(cases[:fixed_n])
         delivered_n = args.n if args.delivered_n is None else min(args.delivered_n, args.n)
         if delivered_n > 0:
-            row["delivered"] = engine.delivered(cases[:delivered_n], parameters, MAX_TRIES)
+            row["delivered"] = engine.delivered(cases[:delivered_n], parameters, int(parameters.get("task_tries", 1)))
         if args.run_n > 0:
             row["through_run"] = through_run(cases[:args.run_n])
+        if args.api_n > 0:
+            row["through_api"] = through_api(cases[:args.api_n])
         if hf_n > 0:
             hf = run_transformers(args.checkpoint, cases[:hf_n], args.threads)
             row["transformers"] = hf.summary(cases[:hf_n])
@@ -289,15 +330,17 @@ def main() -> None:
 
 def print_table(results: dict) -> None:
     print("\n| level | solved as `run` delivers | steps per candidate | s/puzzle | through `run` (s/puzzle) | "
-          "plain model, one canvas | mean steps | s/puzzle | solved (fixed 48) | transformers solved | "
-          "mean steps (tf) | agreement |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "through /api/chat (done_reason stop, s/puzzle) | plain model, one canvas | mean steps | s/puzzle | "
+          "solved (fixed 48) | transformers solved | mean steps (tf) | agreement |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for level, row in results["levels"].items():
         a, f, d, r = row["adaptive"], row.get("fixed48") or {}, row.get("delivered") or {}, row.get("through_run") or {}
+        api = row.get("through_api") or {}
         tf, agree = row.get("transformers") or {}, row.get("agreement") or {}
         cells = [level, f"{d['solve_rate']:.1%} ({d['solved']}/{d['n']})" if d else "-",
                  d.get("mean_steps_per_candidate", "-"), d.get("s_per_puzzle", "-"),
                  f"{r['solve_rate']:.1%} ({r['s_per_puzzle']})" if r else "-",
+                 f"{api['solve_rate']:.1%} ({api['done_reason_stop']}, {api['s_per_puzzle']})" if api else "-",
                  f"{a['solve_rate']:.1%} ({a['solved']}/{a['n']})", a["mean_steps"], a["s_per_puzzle"],
                  f"{f['solve_rate']:.1%}" if f else "-",
                  f"{tf['solve_rate']:.1%} ({tf['solved']}/{tf['n']})" if tf else "-", tf.get("mean_steps", "-"),

@@ -119,12 +119,13 @@ class History:
 
 class Repl:
     def __init__(self, client: Client, settings: RunSettings, show: dict[str, Any], out: TextIO = sys.stdout,
-                 read: Callable[[str], str] = input):
+                 read: Callable[[str], str] = input, answer: Callable[[str], Any] | None = None):
         self.client = client
         self.settings = settings
         self.show = show
         self.out = out
         self.read = read
+        self.answer = answer  # a task model's front end (sudoku.py): it answers each message itself, with no chat
         self.messages: list[dict[str, str]] = []
         self.history = History(enabled=not env.NOHISTORY.get_or_default())  # unreadable: history on
 
@@ -157,7 +158,10 @@ class Repl:
                     if self.command(line.strip()) == "exit":
                         return
                     continue
-                self.chat(line)
+                if self.answer is not None:
+                    self.task_message(line)
+                else:
+                    self.chat(line)
         finally:
             self.history.save()
 
@@ -233,6 +237,18 @@ class Repl:
             self.messages.pop()
             return
         self.messages.append({"role": "assistant", "content": answer})
+        self.say("")
+
+    def task_message(self, text: str) -> None:
+        """One message to a task model: its front end shows the answer; an error is one line, and Ctrl-C stops it."""
+        try:
+            self.answer(text)
+        except KeyboardInterrupt:
+            self.say("")
+            return
+        except DgemmaError as exc:
+            print(f"Error: {exc}", file=sys.stderr)
+            return
         self.say("")
 
     # ---- slash commands --------------------------------------------------------------------------------------------

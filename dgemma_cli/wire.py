@@ -156,6 +156,7 @@ class Metrics(WireModel):
     eval_duration: int = 0
     denoise_steps: int = Field(default=0, description="diffusion: denoising steps run over all canvases")
     canvases: int = Field(default=0, description="diffusion: canvases committed")
+    task_tries: int | None = omitted("task models: tries run up to the answer (the last one, or the first that passed)")
 
 
 class Progress(WireModel):
@@ -167,6 +168,7 @@ class Progress(WireModel):
     completed: int = Field(description="diffusion progress: steps done in the current canvas")
     total: int = Field(description="diffusion progress: diffusion_steps")
     canvas: int = Field(description="diffusion progress: 1-based canvas index")
+    task_try: int | None = omitted("task models: the 1-based try this step belongs to")
     preview: str | None = omitted("diffusion_preview: decoded draft of the current canvas")
     entropy: float | None = omitted("diffusion_preview: mean entropy of the step")
     accepted: int | None = omitted("diffusion_preview: positions kept by the sampler")

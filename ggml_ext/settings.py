@@ -3,7 +3,8 @@
 Everything else is derived from `SAMPLER_SETTINGS`: the converter's `diffusion.eb_*` keys, `SamplerParams` and its
 GGUF defaults, the server's `options` typing and range check, Modelfile PARAMETERs, the REPL's `/set parameter`,
 `dgemma show`, `run`'s flags and `debug generate`'s check. Adding a setting is one row here plus its use by the
-engine (a `SamplerParams` field the sampler reads); see docs/generation.md.
+engine (a `SamplerParams` field the sampler reads; `task_tries` is read by the server's task layer instead); see
+docs/generation.md.
 
 Pure Python on purpose: the converter imports it without the native engine.
 """
@@ -49,6 +50,7 @@ class SamplerSetting:
 
 
 MAX_CANVASES = 16  # num_canvases: beyond this, memory grows and the gain in quality is marginal
+MAX_TASK_TRIES = 64  # task_tries: each try is a whole generation
 
 # In the order requests, `show` and `/set parameter` list them.
 SAMPLER_SETTINGS: tuple[SamplerSetting, ...] = (
@@ -74,8 +76,13 @@ SAMPLER_SETTINGS: tuple[SamplerSetting, ...] = (
     # candidates cost a canvas of cache scratch and logits each, and one decoder step holds them all
     # a run-time choice of dgemma's, in no file format: requests, Modelfiles and `/set parameter` only
     SamplerSetting("num_canvases", "num_canvases", None, None, int, 1,
-                   "parallel canvases", "Candidate canvases denoised together; the best one is kept",
+                   "candidate canvases", "Candidate canvases denoised together; the best one is kept",
                    Limits(1, high=MAX_CANVASES)),
+    # read by the server's task layer, not the sampler: a model whose GGUF names a task (dgemma_engine.tasks) gets up
+    # to this many tries, each under a new symmetry of its input, until an answer passes the task's rules
+    SamplerSetting("task_tries", "task_tries", None, None, int, 1, "task tries",
+                   "Tries of a task model (e.g. sudoku) until an answer passes its rules",
+                   Limits(1, high=MAX_TASK_TRIES)),
 )
 
 
@@ -190,6 +197,7 @@ class SamplerParams:
     confidence_threshold: float = _RELEASED["confidence_threshold"]
     stability_threshold: int = _RELEASED["stability_threshold"]
     num_canvases: int = _RELEASED["num_canvases"]
+    task_tries: int = _RELEASED["task_tries"]
     seed: int | None = None
     rng: str = "fast"          # "fast" (counter-based, parallel) or "torch" (transformers' CPU stream, bit for bit)
     greedy: bool = False       # argmax instead of a categorical draw (reference recordings, `temperature: 0`)

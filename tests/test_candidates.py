@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dgemma_engine.errors import EngineError
+from dgemma_engine.errors import DgemmaError, EngineError
 from dgemma_engine.generate import CANDIDATE_SEED_STRIDE, CanvasEvent, SamplerParams, StepEvent, generate
 from dgemma_engine.model import Context, Model
 from dgemma_engine.settings import SettingError, check_values
-from dgemma_engine.tasks import sudoku_violations, task_checker
+from dgemma_engine.tasks import SudokuTask, sudoku_violations
 
 PROMPT = [2, 17, 40, 33, 101, 7, 250, 64, 12]
 
@@ -186,14 +186,16 @@ def test_sudoku_violations_name_the_cells_that_break_a_rule():
     assert 2 in sudoku_violations(PUZZLE, grid[:2] + [0] + grid[3:])  # no digit
 
 
-def test_task_checker_recognises_the_sudoku_prompt():
+def test_the_sudoku_task_reads_the_puzzle_from_the_prompt_and_checks_answers():
     tokens = ["<pad>", "<eos>", "<bos>"] + [str(d) for d in range(10)] + \
         [f"<c{cell}={digit}>" for cell in range(81) for digit in range(10)]
     cell_id = {t: i for i, t in enumerate(tokens)}
     prompt = [2] + [cell_id[f"<c{i}={ch}>"] for i, ch in enumerate(PUZZLE)]
-    checker = task_checker(tokens, 81, prompt)
+    task = SudokuTask.for_vocabulary(tokens)
+    assert task.read_prompt(prompt) == ([2], PUZZLE) and task.prompt([2], PUZZLE) == prompt
+    checker = task.checker(PUZZLE)
     answer = [tokens.index(ch) for ch in SOLVED]
-    assert checker is not None and checker.violations(answer) == []
+    assert checker.violations(answer) == []
     assert checker.violations([tokens.index("0")] * 81) == list(range(81))
-    assert task_checker(tokens, 80, prompt) is None  # another canvas length
-    assert task_checker(tokens, 81, prompt[:-1] + [3]) is None  # not the cell tokens in order
+    with pytest.raises(DgemmaError, match="invalid sudoku puzzle"):
+        task.read_prompt(prompt[:-1] + [3])  # not the cell tokens in order

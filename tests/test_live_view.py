@@ -124,3 +124,31 @@ def test_drawing_overhead_per_step_is_small():
     print(f"live view: {per_step_ms:.2f} ms per drawn step (256 positions, unthrottled)")
     assert view.frames_drawn == steps
     assert per_step_ms < 50  # far below a denoising step of the real model; throttled views draw ~12 of these/s
+
+
+# ---- the Sudoku grid (`dgemma run sudoku --visual`) ----------------------------------------------------------------
+
+SUDOKU_PUZZLE = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
+
+
+def styles_of_givens(renderable, puzzle: str) -> list[str]:
+    """The style each given cell of a drawn grid is printed in, in cell order."""
+    console = Console(file=io.StringIO(), width=40, color_system="truecolor", force_terminal=True)
+    cells = [(segment.text, str(segment.style or "")) for segment in console.render(renderable)
+             if len(segment.text) == 1 and segment.text in "0123456789.?"]
+    assert len(cells) == 81, cells
+    return [style for (_, style), given in zip(cells, puzzle) if given != "0"]
+
+
+def test_the_first_sudoku_frame_draws_the_givens_as_kept_clues():
+    from dgemma_cli.sudoku import LiveGrid, grid_table
+
+    view = LiveGrid(Console(file=io.StringIO(), width=40, force_terminal=True), SUDOKU_PUZZLE)
+    first_frame = view.live.renderable  # what the live region shows before the first step
+    view.stop()
+    first = styles_of_givens(first_frame, SUDOKU_PUZZLE)
+    assert len(first) == 30 and all(style == "bold" for style in first), first
+    # a draft with no digit yet at a given is not a wrong clue either; another digit there is
+    assert all(s == "bold" for s in styles_of_givens(grid_table(SUDOKU_PUZZLE, "?" * 81), SUDOKU_PUZZLE))
+    wrong = "6" + SUDOKU_PUZZLE[1:]
+    assert styles_of_givens(grid_table(SUDOKU_PUZZLE, wrong), SUDOKU_PUZZLE)[0] == "bold red"

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from dgemma_cli import sudoku
+from dgemma_engine.tasks import is_solution
 
 REPO = Path(__file__).resolve().parent.parent
 GGUF = REPO / "modelfiles" / "sudoku.gguf"
@@ -54,7 +55,7 @@ def test_shipped_gguf_agrees_with_transformers():
     and the solved set must match."""
     answers = solve_all(GGUF)
     assert len(differing(answers)) <= 2, f"dgemma (f32) differs from transformers on {differing(answers)}"
-    assert [sudoku.is_solution(c["puzzle"], a.grid) for c, a in zip(GOLDENS["cases"], answers)] == \
+    assert [is_solution(c["puzzle"], a.grid) for c, a in zip(GOLDENS["cases"], answers)] == \
         [c["solved"] for c in GOLDENS["cases"]]
 
 

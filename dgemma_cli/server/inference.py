@@ -44,6 +44,7 @@ class Plan:
     max_new_tokens: int  # whole canvases
     token_limit: int | None  # exact num_predict cut, None = until EOS
     constraint: Any = None  # the runner's compiled output format (structured output), None = free text
+    checker: Any = None  # a task model's rules for this prompt (dgemma_engine.tasks), None = a text model
 
 
 def _ns(seconds: float) -> int:
@@ -241,6 +242,8 @@ def run_generation(
     stats = None
     reason = None
     extra = {"constraint": plan.constraint} if plan.constraint is not None else {}
+    if plan.checker is not None:
+        extra["checker"] = plan.checker
     events = runner.generate(plan.prompt_ids, sampler, plan.max_new_tokens, cancel, **extra)
     try:
         for event in events:

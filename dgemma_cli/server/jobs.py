@@ -17,6 +17,7 @@ from dgemma_cli.server.runner import ChatTemplate, render_prompt
 from dgemma_cli.server.services import ResolvedModel, Services, services
 from dgemma_cli.server.structured import OutputFormat
 from dgemma_cli.server.streaming import WorkerStream, until_disconnected
+from dgemma_cli.server.tasks import TaskRequest, run_task
 
 log = logging.getLogger("dgemma.server")
 
@@ -125,6 +126,7 @@ class Job:
             thinking = think_flag(self.model, think, runner.has_thinking)
             template_tools, tool_format = offered_tools(self.model, runner, tools)
             prompt_ids = await asyncio.to_thread(build_prompt, runner, thinking, template_tools)
+            task = TaskRequest.read(runner, prompt_ids)  # a task model's input (server/tasks.py); None: a text model
             plan = inference.plan_generation(runner, prompt_ids, sampler, self.svc.config.max_canvases)
             if self.output_format is not None:
                 plan = replace(plan, constraint=await asyncio.to_thread(compiled_format, runner, self.output_format))
@@ -132,9 +134,16 @@ class Job:
             lease.release()
             raise
         load_s = lease.load_seconds
+        spare = await self.svc.scheduler.spare_leases(lease, sampler.task_tries - 1) if task is not None else []
 
         def produce(cancel: threading.Event):
+            if task is not None:  # its tries side by side, one per slot held
+                return run_task(runner, plan, sampler, cancel, task, 1 + len(spare), self.started, load_s)
             return inference.run_generation(runner, plan, sampler, cancel, bool(thinking), self.started, load_s,
                                             tool_format)
 
-        return WorkerStream(produce, lambda failed: lease.release(failed))
+        def release(failed: bool) -> None:
+            for held in (lease, *spare):
+                held.release(failed)
+
+        return WorkerStream(produce, release)

@@ -39,10 +39,11 @@ class Runner(Protocol):
 
     def generate(
         self, prompt_ids: list[int], sampler: SamplerSettings, max_new_tokens: int, cancel: threading.Event,
-        constraint: Any = None,
+        constraint: Any = None, checker: Any = None,
     ) -> Iterator[Any]:
         """Yields the generation loop's StepEvent / CanvasEvent / DoneEvent (`dgemma_engine.events`); with a
-        `constraint` from `compile_format`, the committed text follows that format (structured output)."""
+        `constraint` from `compile_format`, the committed text follows that format (structured output); with a task
+        model's `checker` (dgemma_engine.tasks), canvases are chosen and corrected by its rules."""
         ...
 
     def close(self) -> None: ...
@@ -196,18 +197,16 @@ class EngineRunner:
 
     def generate(
         self, prompt_ids: list[int], sampler: SamplerSettings, max_new_tokens: int, cancel: threading.Event,
-        constraint: Any = None,
+        constraint: Any = None, checker: Any = None,
     ) -> Iterator[Any]:
         from dgemma_engine.constrained import CanvasConstraint
         from dgemma_engine.generate import eos_ids_from_metadata, generate
-        from dgemma_engine.tasks import task_checker
 
         canvas_constraint = None
         if constraint is not None:  # fresh per generation: it follows the automaton's state across canvases
             limit = sampler.num_predict if sampler.num_predict >= 1 else None
             canvas_constraint = CanvasConstraint(constraint, token_limit=limit)
         ctx = self._take_context(sampler.num_canvases)
-        checker = task_checker(self.tokenizer.tokens, int(self.model.hparams.canvas_length), prompt_ids)
         try:
             ctx.reset()
             yield from generate(

@@ -162,6 +162,16 @@ class Scheduler:
             resident.keep_alive = keep_alive
         return Lease(self, resident, resident.load_seconds if loaded_here else 0.0)
 
+    async def spare_leases(self, lease: Lease, wanted: int) -> list[Lease]:
+        """Up to `wanted` more slots of `lease`'s model that are free now, never waiting and never taking one a queued
+        request waits for: a task model's request runs its tries side by side on them (server/tasks.py)."""
+        resident, spare = lease.resident, []
+        while len(spare) < wanted and not resident.slots.locked():
+            await resident.slots.acquire()  # free and nobody queued: returns at once
+            resident.refcount += 1
+            spare.append(Lease(self, resident, 0.0))
+        return spare
+
     async def _resident_for(self, name: str, model: Any, num_ctx: int, keep_alive: float | None) -> tuple[Resident, bool]:
         async with self.changed:
             while True:

@@ -7,8 +7,9 @@
    tokenizer files and the training log. This is "the bundled checkpoint": the goldens
    (tests/reference/make_sudoku_goldens.py) and `bench/sudoku.py` run transformers on exactly these weights.
 2. Convert it with `dgemma convert --outtype f32` from a folder named `dgemma-sudoku` (the converter takes
-   `general.name` from the folder name; `dgemma run` recognises the task by it) -> `modelfiles/sudoku.gguf`.
-3. Check the GGUF: name, vocabulary size, canvas length.
+   `general.name` from the folder name) -> `modelfiles/sudoku.gguf`, then write the task marker
+   `diffusion.task = "sudoku"` into it (task_key.py): the server runs the model as the Sudoku task by that key.
+3. Check the GGUF: name, task, vocabulary size, canvas length.
 
 Why f32: the model has 2.3 M parameters, so f32 is 6.6 MB (f16 3.3 MB, q8_0 1.8 MB) — all "a few MB". The f32 file
 holds the exported (f16-rounded) weights exactly and ggml then computes in f32 like transformers does, so dgemma's
@@ -37,6 +38,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
+import task_key
 import vocab
 
 HERE = Path(__file__).resolve().parent
@@ -133,6 +135,7 @@ def convert(checkpoint: Path, gguf: Path, outtype: str) -> None:
         cmd = [sys.executable, "-m", "dgemma_cli.main", "convert", str(folder), "--outfile", str(gguf),
                "--outtype", outtype, "--threads", "1"]
         subprocess.run(cmd, check=True)
+    task_key.mark(gguf)
 
 
 def check_gguf(gguf: Path, vocab_size: int) -> dict:
@@ -142,6 +145,10 @@ def check_gguf(gguf: Path, vocab_size: int) -> dict:
         name = model.metadata.get("general.name")
         if name != GENERAL_NAME:
             raise SystemExit(f"{gguf}: general.name is {name!r}, expected {GENERAL_NAME!r}")
+        from dgemma_engine.tasks import SUDOKU, task_name
+
+        if task_name(model.metadata) != SUDOKU:
+            raise SystemExit(f"{gguf}: no task marker {SUDOKU!r} (task_key.py)")
         if model.hparams.n_vocab != vocab_size or model.hparams.canvas_length != 81:
             raise SystemExit(f"{gguf}: vocabulary {model.hparams.n_vocab} / canvas {model.hparams.canvas_length}, "
                              f"expected {vocab_size} / 81")
