@@ -3,12 +3,15 @@
 `sudoku` is the bundled default: a fresh install runs `dgemma run sudoku PUZZLE` with no network and no pull. When a
 name the store does not have is one of BUNDLED (in its default form, `registry.ollama.ai/library/<name>:latest`), the
 server creates it from the shipped Modelfile, exactly as `dgemma create <name> -f <Modelfile>` would; the GGUF is
-validated and copied into the store like any other. Deleting it just means the next use registers it again.
+validated and copied into the store like any other. As with Ollama, a model the user deleted stays deleted: `rm`
+leaves a marker in the store, and only a pull (`dgemma pull sudoku`, or `run`'s pull on a 404) registers it again.
 """
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.names import DEFAULT_HOST, DEFAULT_NAMESPACE, DEFAULT_TAG, ModelName
@@ -16,6 +19,7 @@ from dgemma_cli.store import Store
 
 # model name -> Modelfile in the dgemma_modelfiles package (its FROM names the GGUF next to it)
 BUNDLED = {"sudoku": "sudoku.Modelfile"}
+DELETED_DIR = ".dgemma-bundled-deleted"  # in the store root: one empty file per bundled model the user deleted
 _lock = threading.Lock()  # two first requests at once register once
 
 
@@ -33,17 +37,34 @@ def bundled_modelfile(name: ModelName) -> Path | None:
     return presets_dir() / filename if filename else None
 
 
-def register_bundled(store: Store, name: ModelName) -> bool:
-    """Create `name` in `store` from its shipped Modelfile when it is a bundled model the store lacks.
-    Returns True when the model exists afterwards because it is bundled; False for any other name."""
+def _deleted_marker(store: Store, name: ModelName) -> Path:
+    return store.root / DELETED_DIR / name.model.lower()  # a BUNDLED key: bundled_modelfile(name) was checked
+
+
+def mark_deleted(store: Store, name: ModelName) -> None:
+    """Remember that the user deleted `name` when it is a bundled model, so that first use does not bring it back."""
+    if bundled_modelfile(name) is None:
+        return
+    marker = _deleted_marker(store, name)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+
+
+def register_bundled(store: Store, name: ModelName, undelete: bool = False) -> bool:
+    """Create `name` in `store` from its shipped Modelfile when it is a bundled model the store lacks and the user
+    has not deleted (`undelete`, a pull's: also after a delete). Returns True when the model exists afterwards
+    because it is bundled; False for any other name, and for a deleted one."""
     modelfile = bundled_modelfile(name)
     if modelfile is None:
         return False
     from dgemma_cli.create import create_model, load_modelfile_for_create
 
+    marker = _deleted_marker(store, name)
     with _lock:
         if store.exists(name):
             return True
+        if marker.exists() and not undelete:
+            return False
         try:
             parsed, base_dir = load_modelfile_for_create(modelfile, modelfile.parent)
             weights = base_dir / str(parsed.from_)
@@ -52,6 +73,14 @@ def register_bundled(store: Store, name: ModelName) -> bool:
                                   f"({weights.name} not found in the dgemma_modelfiles package)")
             for _status in create_model(name, parsed, store, base_dir):
                 pass
+            marker.unlink(missing_ok=True)
         except OSError as exc:
             raise DgemmaError(f"cannot register the bundled model '{name.model}': {exc.strerror}") from None
     return True
+
+
+def pull_bundled(store: Store, name: ModelName) -> Iterator[dict[str, Any]]:
+    """`pull` of a bundled model: registered from the package, also after a delete, with no network; pull statuses."""
+    yield {"status": "copying the bundled model from the dgemma package"}
+    register_bundled(store, name, undelete=True)
+    yield {"status": "success"}

@@ -7,18 +7,29 @@ from __future__ import annotations
 import signal
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
+from typer.core import TyperCommand
 
-OUTTYPES = "f32|f16|bf16|q8_0|q4_0|q4_k_m|q5_k_m|q6_k"
+
+class ConvertCommand(TyperCommand):
+    """`convert`, whose `--help` lists every output type from the converter's own table. The converter (numpy, gguf)
+    is imported only when help is shown: too slow to load on every `dgemma` start."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        from dgemma_convert.quantize import OUT_TYPES
+
+        outtype = next(param for param in self.params if param.name == "outtype")
+        outtype.help = "output type: " + ", ".join(OUT_TYPES)  # separate words, so Rich wraps the list, never crops it
+        super().format_help(ctx, formatter)
 
 
 def convert(
     ctx: typer.Context,
     hf_dir: Optional[Path] = typer.Argument(None, help="Hugging Face checkpoint folder"),
     outfile: Path = typer.Option(..., "--outfile", "-o", help="output .gguf path"),
-    outtype: str = typer.Option("bf16", "--outtype", help=OUTTYPES),
+    outtype: str = typer.Option("bf16", "--outtype", help="output type"),  # the list: ConvertCommand
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="quantizer threads (default: all cores)"),
     lora: Optional[Path] = typer.Option(None, "--lora", help="convert this PEFT LoRA adapter folder instead"),
     base: Optional[Path] = typer.Option(None, "--base", help="with --lora: check the adapter against this base GGUF"),

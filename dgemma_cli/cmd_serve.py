@@ -1,12 +1,15 @@
 """`dgemma serve` (alias `start`): the Ollama/OpenAI-compatible REST server, configured by `DGEMMA_*` variables."""
 import errno
 import logging
+import shutil
 import socket
 import sys
+import textwrap
 from typing import Optional
 
 import typer
 
+from dgemma_cli import env
 from dgemma_cli.errors import DgemmaError
 
 
@@ -66,7 +69,7 @@ def serve(
     rpc: Optional[str] = typer.Option(None, "--rpc", help="ggml RPC servers host:port,... (DGEMMA_RPC); "
                                       "unauthenticated: loopback or a private network only"),
 ) -> None:
-    """Start the REST server (Ollama and OpenAI compatible). Configure it with DGEMMA_* environment variables."""
+    """Start the REST server (Ollama and OpenAI compatible). Configure it with the environment variables below."""
     import uvicorn
 
     from dgemma_cli.server.app import create_app
@@ -97,6 +100,21 @@ def serve(
         sock.close()
 
 
+def environment_help(width: int) -> str:
+    """`serve --help`'s list of the variables a server reads (`env.SERVE`): name, meaning and default, each wrapped
+    under its own name to `width` columns (Rich markup escaped)."""
+    from rich.markup import escape
+
+    name_width = max(len(var.name) for var in env.SERVE)
+    lines = ["Environment variables:"]
+    for var in env.SERVE:
+        default = "" if var.shown_default in ("", "off", "unset") else f" (default {var.shown_default})"
+        lines += textwrap.wrap(var.description.replace("`", "") + default, width,
+                               initial_indent=f"  {var.name:<{name_width}}  ", subsequent_indent=" " * (name_width + 4))
+    return escape("\n".join(lines))
+
+
 def register(app: typer.Typer) -> None:
-    app.command("serve")(serve)
-    app.command("start", hidden=True)(serve)
+    help_width = shutil.get_terminal_size().columns - 2  # Rich pads the epilog by one column on each side
+    app.command("serve", epilog=environment_help(help_width))(serve)
+    app.command("start", hidden=True, epilog=environment_help(help_width))(serve)

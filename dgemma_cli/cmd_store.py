@@ -153,7 +153,8 @@ def pull(
 
 def create(
     model: str = typer.Argument(..., help="name of the new model"),
-    file: Optional[Path] = typer.Option(None, "--file", "-f", help="Modelfile (default: ./Modelfile)"),
+    # a str, not a Path: errors name the file exactly as typed (Path("./x") prints as "x")
+    file: Optional[str] = typer.Option(None, "--file", "-f", metavar="PATH", help="Modelfile (default: ./Modelfile)"),
     quantize: Optional[str] = typer.Option(None, "--quantize", "-q", help="q4_K_M | q5_K_M | q6_K | q8_0"),
 ) -> None:
     """Create a model from a Modelfile."""
@@ -218,8 +219,11 @@ def show(
         sys.stdout.write(show_info_text(answer, verbose))
     elif chosen[0] == "modelfile":
         sys.stdout.write(answer.get("modelfile") or "")
-    else:  # license, parameters, system, template: the field as the server formats it
-        print(answer.get(chosen[0]) or "")
+    elif answer.get(chosen[0]):  # license, parameters, system, template: the field as the server formats it
+        print(answer[chosen[0]])
+    else:  # stdout stays empty (a redirect makes an empty file); stderr says why
+        what = "system message" if chosen[0] == "system" else chosen[0]
+        print(f"model '{model}' has no {what}", file=sys.stderr)
 
 
 def rm(models: list[str] = typer.Argument(..., help="models to delete")) -> None:

@@ -84,13 +84,16 @@ def is_hf_checkpoint(folder: Path) -> bool:
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
 
+def gguf_entries(folder: Path) -> list[Path]:
+    """The folder's entries named `*.gguf` (any case), sorted."""
+    return sorted(entry for entry in folder.iterdir() if entry.name.lower().endswith(".gguf"))
+
+
 def gguf_in_folder(folder: Path) -> Path:
     """The one GGUF file in a folder; entries that resolve outside the folder are refused."""
     base = folder.resolve()
     found = []
-    for entry in sorted(folder.iterdir()):
-        if not entry.name.lower().endswith(".gguf"):
-            continue
+    for entry in gguf_entries(folder):
         if entry.resolve().parent != base:
             raise CreateError(f"insecure path: {entry.name}")
         if entry.is_file():
@@ -556,20 +559,29 @@ def _restore_base_layers(store: Store, base: _Base) -> None:
         store.import_file(source)
 
 
-def load_modelfile_for_create(path: Path | None, cwd: Path) -> tuple[Modelfile, Path]:
-    """CLI helper: read `-f FILE` (default `Modelfile`; missing default means `FROM .`) and its base folder."""
+def load_modelfile_for_create(path: str | Path | None, cwd: Path) -> tuple[Modelfile, Path]:
+    """CLI helper: read `-f FILE` (default `Modelfile`; a missing default means `FROM .` when `cwd` holds a model)
+    and its base folder. Errors name the file as the user wrote it."""
     from dgemma_cli.modelfile import parse_modelfile
 
     if path is None:
         default = cwd / "Modelfile"
         if not default.exists():
+            try:
+                holds_model = is_hf_checkpoint(cwd) or bool(gguf_entries(cwd))
+            except OSError as exc:
+                raise CreateError(f"cannot read this folder: {exc.strerror}") from None
+            if not holds_model:
+                raise CreateError("no Modelfile or model files found: this folder has no Modelfile, GGUF file or "
+                                  "Hugging Face checkpoint (name a Modelfile with -f)")
             return parse_modelfile("FROM ."), cwd
         path = default
+    file = Path(path)
     try:
-        if not path.is_file():
-            raise CreateError(f"Modelfile not found: {path.name}")
-        with open(path, "rb") as f:
+        if not file.is_file():
+            raise CreateError(f"Modelfile not found: {path}")
+        with open(file, "rb") as f:
             data = f.read(16 << 20)
     except OSError as exc:
-        raise CreateError(f"cannot read Modelfile: {exc.strerror}") from None
-    return parse_modelfile(data), path.resolve().parent
+        raise CreateError(f"cannot read Modelfile {path}: {exc.strerror}") from None
+    return parse_modelfile(data), file.resolve().parent

@@ -187,8 +187,8 @@ PULL_RETRIES = Var("DGEMMA_PULL_RETRIES", "integer >= 0", 6, "6", "retries per p
 PULL_BACKOFF = Var("DGEMMA_PULL_BACKOFF", "seconds", 1.0, "1", "first retry backoff in seconds (doubling)",
                    _non_negative(float))
 
-CLIENT = (NOHISTORY, REGISTRY_MIRRORS, REGISTRY_ALLOW, PULL_PART_SIZE, PULL_STREAMS, PULL_STALL_TIMEOUT, PULL_RETRIES,
-          PULL_BACKOFF)
+PULL = (REGISTRY_MIRRORS, REGISTRY_ALLOW, PULL_PART_SIZE, PULL_STREAMS, PULL_STALL_TIMEOUT, PULL_RETRIES, PULL_BACKOFF)
+CLIENT = (NOHISTORY,) + PULL
 
 # Read by the C engine itself (getenv), listed here so the table is complete.
 PROFILE_NODES = Var("DGEMMA_PROFILE_NODES", "any", None, "unset",
@@ -210,6 +210,10 @@ ENGINE = (PROFILE_NODES, STANDARD_OPS, RPC, QKERNELS)
 FAST_QUANT = Var("DGEMMA_FAST_QUANT", "boolean", True, "on",
                  "`0`: ggml's own K-quant quantizers instead of the converter's byte-identical AVX2 ones", parse_bool)
 CONVERT = (FAST_QUANT,)
+
+# What a `dgemma serve` process reads (its --help lists them): its own, the pulls' (it pulls), the engine's (it loads
+# models; not the profiler's, which only profiled bench steps read) and the converter's (`create --quantize`).
+SERVE = SERVER + PULL + (STANDARD_OPS, RPC, QKERNELS) + CONVERT
 
 ALL = SERVER + CLIENT + ENGINE + CONVERT
 

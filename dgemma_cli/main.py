@@ -50,7 +50,7 @@ def root(
         raise typer.Exit()
 
 
-app.command("convert")(cmd_convert.convert)
+app.command("convert", cls=cmd_convert.ConvertCommand)(cmd_convert.convert)
 app.add_typer(cmd_debug.app, name="debug")
 cmd_serve.register(app)
 cmd_store.register(app)

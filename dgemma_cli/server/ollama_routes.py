@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from dgemma_cli import wire
+from dgemma_cli.bundled import bundled_modelfile, mark_deleted, pull_bundled
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gotext import parse_keep_alive
 from dgemma_cli.server import gotemplate, inference, schemas, truncation
@@ -320,6 +321,8 @@ async def pull(req: schemas.PullRequest, request: Request):
     from dgemma_cli.registry import pull as registry_pull
 
     def produce(cancel: threading.Event):
+        if bundled_modelfile(name) is not None:  # shipped with dgemma: never fetched from a registry
+            return pull_bundled(svc.store, name)
         return registry_pull(name, svc.store, insecure=bool(req.insecure), cancel=cancel)
 
     return await _progress_answer(request, WorkerStream(produce, lambda failed: None), req.stream)
@@ -465,6 +468,7 @@ async def delete(req: schemas.DeleteRequest, request: Request) -> Response:
         raise NotFound(f"model '{req.model or req.name}' not found")
     await svc.scheduler.unload(name.display)
     await asyncio.to_thread(svc.store.delete, name)
+    await asyncio.to_thread(mark_deleted, svc.store, name)  # a bundled model stays deleted until pulled
     return Response(status_code=200)
 
 
