@@ -112,7 +112,7 @@ def test_modelfile_template_is_the_recipes_chat_template():
     assert MODELFILE.read_text().startswith("# ")
     assert mf.from_ == "./sudoku.gguf"
     assert mf.template == vocab.CHAT_TEMPLATE
-    assert mf.parameters == {"num_predict": 81, "num_canvases": 1, "diffusion_steps": 12, "task_tries": 24,
+    assert mf.parameters == {"num_predict": 81, "num_canvases": 1, "diffusion_steps": 12, "task_tries": 48,
                              "num_parallel": 2, "num_thread": 1}
 
 
@@ -189,7 +189,7 @@ def test_register_bundled_into_an_empty_store(tmp_path):
     local = store.resolve("sudoku")
     assert local.gguf_path.read_bytes() == GGUF.read_bytes()
     assert local.template == vocab.CHAT_TEMPLATE
-    assert local.parameters == {"num_predict": 81, "num_canvases": 1, "diffusion_steps": 12, "task_tries": 24,
+    assert local.parameters == {"num_predict": 81, "num_canvases": 1, "diffusion_steps": 12, "task_tries": 48,
                                 "num_parallel": 2, "num_thread": 1}
     assert local.config["model_family"] == "diffusion-gemma" and local.config["template_format"] == "jinja"
     manifest = store.read_manifest("sudoku").raw
