@@ -122,10 +122,11 @@ class Dgemma:
 
 
     def delivered(self, cases: list[tuple[str, str]], parameters: dict, tries: int) -> dict:
-        """As `dgemma run sudoku` delivers it: checker, candidates and self-correction, up to `tries` attempts, each
-        after the first under a new random symmetry of the puzzle (run's attempt_symmetries, seeded by the puzzle's
-        index) with its answer mapped back; `num_parallel` tries side by side at `num_thread` threads each, the
-        lowest-index one that solves committed (run's first_solution). Seconds are the wall time per puzzle."""
+        """As the server's task layer delivers it, on the engine directly: checker, candidates and self-correction,
+        up to `tries` attempts, each after the first under a new random symmetry of the puzzle (attempt_symmetries,
+        seeded by the puzzle's index) with its answer mapped back; `num_parallel` tries side by side at `num_thread`
+        threads each, the lowest-index one that solves committed (the server's first_solution). Seconds are the wall
+        time per puzzle."""
         from dgemma_engine.generate import SamplerParams
         from dgemma_engine.model import Context
 
