@@ -88,7 +88,7 @@ def main() -> int:
         commits = []
         for _ in range(args.runs):
             start = time.perf_counter()
-            CanvasConstraint(automaton).commit(logits, last=True)
+            CanvasConstraint(automaton).commit(logits, tokens_after=0)
             commits.append(time.perf_counter() - start)
         constrained = canvas_seconds(model, tokenizer, prompt, params, args.runs, args.threads, automaton)
         row = {"compile_s": compile_s, "states": automaton.n_states, "edges": int(len(automaton.src)),

@@ -7,13 +7,16 @@ from a JSON schema (or "any JSON object") compiled by `outlines-core` over the m
 over positions × automaton states finds the best sequence exactly (docs/generation.md, "Structured output").
 
 After the value closes, a stop id ends the text and the remaining positions are unconstrained (never delivered).
-A canvas that cannot close the value ends in the best live state, and the next canvas continues from it; the last
-canvas the budget allows must close it whenever that is possible at all.
+A canvas that does not close the value ends in a live state, and the next canvas continues from it. Each canvas is
+told how many tokens may still follow it (the canvases left, the context, `num_predict`) and may only end in a state
+whose shortest way to the closed state fits in them, so the value can always close in time and the last canvas
+closes it.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Sequence
 
 import numpy as np
@@ -24,6 +27,7 @@ from dgemma_engine.errors import EngineError
 _NOT_TEXT_TYPES = {2, 3, 4, 5}    # unknown, control, user-defined, unused
 _BYTE_TYPE = 6
 _SPACE_MARK = "▁"
+NEVER = np.iinfo(np.int64).max    # tokens_to_close of a state from which the value cannot close
 
 
 class ConstraintError(EngineError):
@@ -73,6 +77,32 @@ class TokenAutomaton:
     def end(self) -> int:
         return self.n_states - 1
 
+    @cached_property
+    def tokens_to_close(self) -> np.ndarray:
+        """Per state, the fewest tokens (the stop id included) that lead to `end`; NEVER where none do. A
+        breadth-first search backwards from `end`, once per automaton (edges are grouped by destination)."""
+        incoming = np.full(self.n_states, -1, dtype=np.int64)
+        incoming[self.seg_dst] = np.arange(len(self.seg_dst))
+        seg_ends = np.r_[self.seg_starts[1:], len(self.dst)]
+        distance = np.full(self.n_states, NEVER, dtype=np.int64)
+        distance[self.end] = 0
+        queue = [self.end]
+        for state in queue:  # grows while it is read: states in order of distance
+            k = incoming[state]
+            if k < 0:
+                continue
+            sources = np.unique(self.src[self.seg_starts[k]:seg_ends[k]])
+            new = sources[distance[sources] == NEVER]
+            distance[new] = distance[state] + 1
+            queue.extend(new.tolist())
+        return distance
+
+    @property
+    def shortest_value(self) -> int:
+        """Tokens of the shortest value the automaton accepts (the stop id not counted); NEVER if it accepts none."""
+        steps = int(self.tokens_to_close[self.initial])
+        return NEVER if steps == NEVER else steps - 1
+
     @classmethod
     def build(cls, transitions: dict[int, dict[int, int]], initial: int, finals: Sequence[int],
               stop_ids: Sequence[int]) -> TokenAutomaton:
@@ -89,7 +119,9 @@ class TokenAutomaton:
         arr = arr[np.argsort(arr[:, 2], kind="stable")]
         src, tok, dst = (np.ascontiguousarray(arr[:, k]) for k in range(3))
         seg_starts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]])
-        return cls(end + 1, number[initial], src, tok, dst, seg_starts, dst[seg_starts], frozenset(final_numbers))
+        automaton = cls(end + 1, number[initial], src, tok, dst, seg_starts, dst[seg_starts], frozenset(final_numbers))
+        automaton.tokens_to_close  # noqa: B018 - computed where the automaton is compiled, and pickled with it
+        return automaton
 
 
 def compile_constraint(schema: dict[str, Any] | None, tokens: Sequence[str], token_types: Sequence[int] | None,
@@ -127,9 +159,12 @@ class ConstrainedCanvas:
     log_prob: float
 
 
-def best_canvas(logits: np.ndarray, automaton: TokenAutomaton, state: int, must_close: bool) -> ConstrainedCanvas:
+def best_canvas(logits: np.ndarray, automaton: TokenAutomaton, state: int,
+                tokens_after: int | None) -> ConstrainedCanvas:
     """The most probable canvas (sum of log-softmax over positions) that the automaton accepts from `state`.
-    must_close: end in the closed state if any such canvas exists; otherwise any live state may end it."""
+    tokens_after: how many tokens may still follow this canvas (None: no limit). The canvas ends in a state from which
+    the value can close within them (0: it closes in this canvas); when no such state is reachable, in the reachable
+    state nearest to closing, so the text stays a valid prefix."""
     logp = _log_softmax(np.asarray(logits, dtype=np.float32))
     positions = logp.shape[0]
     a = automaton
@@ -152,12 +187,14 @@ def best_canvas(logits: np.ndarray, automaton: TokenAutomaton, state: int, must_
             new[a.end] = stay
             back[i, a.end] = -1
         score = new
-    if must_close and np.isfinite(score[a.end]):
-        last = a.end
-    else:
-        last = int(np.argmax(score))
-    if not np.isfinite(score[last]):
+    reached = np.isfinite(score)
+    if not reached.any():
         raise ConstraintError("no canvas satisfies the output format from this point")
+    if tokens_after is not None:
+        to_close = a.tokens_to_close
+        fits = reached & (to_close <= tokens_after)
+        score = np.where(fits if fits.any() else reached & (to_close == to_close[reached].min()), score, -np.inf)
+    last = int(np.argmax(score))
     ids = [0] * positions
     s = last
     for i in range(positions - 1, -1, -1):
@@ -168,6 +205,21 @@ def best_canvas(logits: np.ndarray, automaton: TokenAutomaton, state: int, must_
             ids[i] = int(a.tok[edge])
             s = int(a.src[edge])
     return ConstrainedCanvas(ids, last, float(score[last]))
+
+
+def check_room(automaton: TokenAutomaton, canvas_tokens: int, token_limit: int | None) -> None:
+    """ConstraintError when even the shortest value cannot be written within the budget: `canvas_tokens` positions
+    (the canvases the budget and the context allow; the stop id must be among them) and `token_limit` delivered tokens
+    (`num_predict`; the stop id may follow the cut)."""
+    shortest = automaton.shortest_value
+    if shortest == NEVER:
+        raise ConstraintError("the vocabulary cannot write any value of this format")
+    if token_limit is not None and shortest > token_limit:
+        raise ConstraintError(f"num_predict {token_limit} is too small for this format: its shortest value takes "
+                              f"{shortest} tokens")
+    if shortest + 1 > canvas_tokens:
+        raise ConstraintError(f"the canvases this request can denoise hold {canvas_tokens} tokens, too few for this "
+                              f"format: its shortest value takes {shortest} tokens and a stop token")
 
 
 @dataclass
@@ -187,19 +239,23 @@ class CanvasConstraint:
     def closed(self) -> bool:
         return self.state == self.automaton.end
 
-    def commit(self, logits: np.ndarray, last: bool) -> list[int]:
-        """The canvas to commit instead of the argmax canvas. last: no canvas may follow this one."""
+    def commit(self, logits: np.ndarray, tokens_after: int | None) -> list[int]:
+        """The canvas to commit instead of the argmax canvas. tokens_after: how many tokens the canvases that may
+        follow this one hold (0: none may; None: no limit besides `token_limit`)."""
         logits = np.asarray(logits)
         positions = logits.shape[0]
         room = None if self.token_limit is None else max(0, self.token_limit - self.written)
         self.written += positions
-        if room is None or room >= positions:
-            chosen = best_canvas(logits, self.automaton, self.state, must_close=last)
+        if room is not None and room < positions:
+            # the cut falls inside this canvas: close within the delivered tokens (the stop id may sit right at the
+            # cut, it is never delivered); what follows is cut anyway
+            head = room + 1
+            chosen = best_canvas(logits[:head], self.automaton, self.state, tokens_after=0)
             self.state = chosen.state
-            return chosen.ids
-        # the cut falls inside this canvas: close within the delivered tokens (the stop id may sit right at the cut,
-        # it is never delivered); what follows is cut anyway
-        head = room + 1
-        chosen = best_canvas(logits[:head], self.automaton, self.state, must_close=True)
+            return chosen.ids + [int(t) for t in logits[head:].argmax(axis=1)]
+        if room is not None:  # the cut comes later: the stop id may still sit right at it
+            after_cut = room - positions + 1
+            tokens_after = after_cut if tokens_after is None else min(tokens_after, after_cut)
+        chosen = best_canvas(logits, self.automaton, self.state, tokens_after)
         self.state = chosen.state
-        return chosen.ids + [int(t) for t in logits[head:].argmax(axis=1)]
+        return chosen.ids

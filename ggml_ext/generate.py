@@ -203,15 +203,17 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
                 return
             cand, logits = chosen
             result = cand.result
+            # canvases that may follow this one: the budget's, and the context's (this canvas is encoded first, and
+            # each later one is denoised over the cache plus itself)
+            canvases_after = min(n_canvases - 1 - b, (ctx.n_ctx - ctx.n_past - C) // C)
             if constraint is None:
                 committed = result.argmax.tolist()
-            else:  # the last canvas the budget or the context allows must close the value if it can
-                final = b == n_canvases - 1 or ctx.n_past + 2 * C > ctx.n_ctx
-                committed = constraint.commit(logits, last=final)
+            else:  # the value must stay closable within what may follow, so the last canvas closes it
+                committed = constraint.commit(logits, tokens_after=canvases_after * C)
             hits = [i for i, t in enumerate(committed) if t in eos]
             eos_position = hits[0] if hits else None
             ids = committed[:eos_position] if hits else committed
-            last = bool(hits) or b == n_canvases - 1 or ctx.n_past + 2 * C > ctx.n_ctx
+            last = bool(hits) or canvases_after == 0
             text = ""
             if decoder is not None:
                 text = decoder.feed(ids) + (decoder.flush() if last else "")
@@ -222,11 +224,8 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
             if hits:
                 yield finish("eos")
                 return
-            if b == n_canvases - 1:
-                yield finish("length")
-                return
-            if ctx.n_past + 2 * C > ctx.n_ctx:  # the next canvas would not fit: no point encoding this one
-                yield finish("context")
+            if canvases_after == 0:  # the budget is spent, or the next canvas would not fit: no point encoding this one
+                yield finish("length" if b == n_canvases - 1 else "context")
                 return
             ctx.encode(committed)
     finally:

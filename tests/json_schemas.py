@@ -1,4 +1,4 @@
-"""The five JSON schemas the structured-output tests and bench/structured.py exercise (None: any JSON object)."""
+"""The six JSON schemas the structured-output tests and bench/structured.py exercise (None: any JSON object)."""
 
 SCHEMAS = {
     "object-required": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -7,5 +7,6 @@ SCHEMAS = {
     "numbers": {"type": "array", "items": {"type": "number"}},
     "nested": {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "boolean"}},
                                                       "required": ["b"]}}, "required": ["a"]},
+    "strings": {"type": "array", "items": {"type": "string"}},
     "json": None,
 }

@@ -32,7 +32,7 @@ def test_random_canvases_always_validate(vocab, label):
     rng = np.random.default_rng(len(label))
     for _ in range(10):
         logits = (rng.normal(size=(64, tokenizer.n_vocab)) * 3).astype(np.float32)
-        ids = CanvasConstraint(automaton).commit(logits, last=True)
+        ids = CanvasConstraint(automaton).commit(logits, tokens_after=0)
         end = next(i for i, t in enumerate(ids) if t in STOPS)
         jsonschema.validate(json.loads(tokenizer.decode(ids[:end])), schema or {"type": "object"})
 
@@ -46,9 +46,9 @@ def test_value_spanning_canvases_continues_from_the_state(vocab):
     first = rng.normal(size=(4, tokenizer.n_vocab)).astype(np.float32)
     digit = tokenizer.token_to_id("1")
     first[:, digit] += 50  # the model insists on digits: "[" then digits, still open after four positions
-    ids = constraint.commit(first, last=False)
+    ids = constraint.commit(first, tokens_after=None)
     assert not constraint.closed
-    ids += constraint.commit(rng.normal(size=(8, tokenizer.n_vocab)).astype(np.float32), last=True)
+    ids += constraint.commit(rng.normal(size=(8, tokenizer.n_vocab)).astype(np.float32), tokens_after=0)
     assert constraint.closed
     end = next(i for i, t in enumerate(ids) if t in STOPS)
     assert all(isinstance(x, (int, float)) for x in json.loads(tokenizer.decode(ids[:end])))
@@ -63,7 +63,7 @@ def test_dynamic_program_finds_the_most_probable_accepted_canvas():
         logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
         best = max((seq for seq in itertools.product(range(5), repeat=4) if _accepts(seq)),
                    key=lambda seq: sum(logp[i, t] for i, t in enumerate(seq)))
-        got = best_canvas(logits, automaton, automaton.initial, must_close=True)
+        got = best_canvas(logits, automaton, automaton.initial, tokens_after=0)
         assert _prefix_to_stop(got.ids) == _prefix_to_stop(best)
         assert got.log_prob == pytest.approx(sum(logp[i, t] for i, t in enumerate(best)), abs=1e-4)
 

@@ -90,15 +90,17 @@ def chat_prompt(runner: Runner, messages: list[dict], think: bool | None, trunca
                     no_room).ids
 
 
-def plan_generation(runner: Runner, prompt_ids: list[int], sampler: SamplerSettings, max_canvases: int) -> Plan:
+def plan_generation(runner: Runner, prompt_ids: list[int], sampler: SamplerSettings, max_canvases: int,
+                    structured: bool = False) -> Plan:
     """Canvases = min(ceil(num_predict / C), DGEMMA_MAX_CANVASES, floor((num_ctx - prompt) / C))
-    (docs/compat.md#canvas-budget)."""
+    (docs/compat.md#canvas-budget). structured: the output format's stop id may sit right after the num_predict cut
+    (it is never delivered), so the canvases hold one more position: ceil((num_predict + 1) / C)."""
     canvas = runner.canvas_length
     room = (runner.context_length - len(prompt_ids)) // canvas
     if room < 1:
         raise no_room_error(len(prompt_ids), canvas, runner.context_length)
     limit = sampler.num_predict if sampler.num_predict >= 1 else None
-    wanted = math.ceil(limit / canvas) if limit else max_canvases
+    wanted = math.ceil((limit + int(structured)) / canvas) if limit else max_canvases
     canvases = min(wanted, max_canvases, room)
     return Plan(prompt_ids=list(prompt_ids), max_new_tokens=canvases * canvas, token_limit=limit)
 
@@ -258,7 +260,9 @@ def run_generation(
                     last_commit_at = time.perf_counter()
                     ids = list(event.ids)  # committed tokens, already cut before the first EOS
                     text = event.text
-                    cut = plan.token_limit is not None and len(answer_ids) + len(ids) >= plan.token_limit
+                    limit, length = plan.token_limit, len(answer_ids) + len(ids)
+                    # an EOS right at the limit ends the text on its own ("stop"): only more tokens are cut
+                    cut = limit is not None and (length > limit or (length == limit and event.eos_position is None))
                     if cut:
                         ids = ids[: plan.token_limit - len(answer_ids)]
                         full = runner.detokenize(answer_ids + ids)

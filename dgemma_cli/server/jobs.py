@@ -85,6 +85,18 @@ def compiled_format(runner, output_format: OutputFormat) -> Any:
         raise RequestError(str(exc).splitlines()[0]) from None
 
 
+def format_fits_budget(plan: inference.Plan) -> None:
+    """A token budget too small for the format's shortest value is the client's 400, before any canvas is denoised."""
+    from dgemma_engine.constrained import ConstraintError, TokenAutomaton, check_room
+
+    if not isinstance(plan.constraint, TokenAutomaton):  # a test runner's stand-in, which follows no automaton
+        return
+    try:
+        check_room(plan.constraint, plan.max_new_tokens, plan.token_limit)
+    except ConstraintError as exc:
+        raise RequestError(str(exc)) from None
+
+
 def offered_tools(model: ResolvedModel, runner, tools: list[dict] | None) -> tuple[list[dict] | None, object]:
     """The request's `tools` for the template and the call syntax to parse, when the template renders tools. A model
     whose template cannot is still answered, without them (docs/server.md, "Tools"): clients such as Open WebUI
@@ -127,9 +139,11 @@ class Job:
             template_tools, tool_format = offered_tools(self.model, runner, tools)
             prompt_ids = await asyncio.to_thread(build_prompt, runner, thinking, template_tools)
             task = TaskRequest.read(runner, prompt_ids)  # a task model's input (server/tasks.py); None: a text model
-            plan = inference.plan_generation(runner, prompt_ids, sampler, self.svc.config.max_canvases)
+            plan = inference.plan_generation(runner, prompt_ids, sampler, self.svc.config.max_canvases,
+                                             structured=self.output_format is not None)
             if self.output_format is not None:
                 plan = replace(plan, constraint=await asyncio.to_thread(compiled_format, runner, self.output_format))
+                await asyncio.to_thread(format_fits_budget, plan)  # a first check walks the automaton once
         except BaseException:
             lease.release()
             raise
