@@ -85,6 +85,13 @@ def _text_or_none(value: str) -> str | None:
     return value or None
 
 
+def _positive_seconds(value: str) -> float:
+    seconds = float(value)
+    if not 0 < seconds < float("inf"):  # also refuses nan
+        raise ValueError("must be a number of seconds > 0")
+    return seconds
+
+
 def _non_negative(kind: type) -> Callable[[str], Any]:
     def parse(value: str) -> Any:
         number = kind(value)
@@ -165,9 +172,15 @@ MAX_STEPS = Var("DGEMMA_MAX_STEPS", "integer >= 1", 256, "256",
                 "most denoising steps per canvas a request or Modelfile may ask for", _positive_int, "max_steps")
 COMPAT_VERSION = Var("DGEMMA_COMPAT_VERSION", "version", "0.32.0", "0.32.0",
                      "the Ollama version `/api/version` reports", _dotted_version, "compat_version")
+# 10 s: a 6-field schema takes 7-7.5 s of CPU at the released 262,144-token vocabulary (docs/generation.md).
+SCHEMA_COMPILE_TIMEOUT = Var("DGEMMA_SCHEMA_COMPILE_TIMEOUT", "seconds > 0", 10.0, "10",
+                             "CPU seconds a request's JSON schema may take to compile (then a 400); `format: \"json\"` "
+                             "is compiled once per model in the background and waited for, never refused",
+                             _positive_seconds, "schema_compile_timeout")
 
 SERVER = (HOST, MODELS, KEEP_ALIVE, ORIGINS, NUM_PARALLEL, MAX_QUEUE, MAX_LOADED_MODELS, CONTEXT_LENGTH, LOAD_TIMEOUT,
-          DEBUG, NOPRUNE, API_KEY, READONLY, ALLOWED_HOSTS, MAX_UPLOAD, MAX_CANVASES, MAX_STEPS, COMPAT_VERSION)
+          DEBUG, NOPRUNE, API_KEY, READONLY, ALLOWED_HOSTS, MAX_UPLOAD, MAX_CANVASES, MAX_STEPS, COMPAT_VERSION,
+          SCHEMA_COMPILE_TIMEOUT)
 
 # The CLI's and the pull's variables.
 NOHISTORY = Var("DGEMMA_NOHISTORY", "boolean", False, "off", "no `~/.dgemma/history` for the interactive `run`",

@@ -192,7 +192,8 @@ def _skip_strings(r: _Reader, count: int, key: str) -> bool:
     return all_same
 
 
-def _read_value(r: _Reader, vtype: int, key: str, depth: int = 0) -> Any:
+def _read_value(r: _Reader, vtype: int, key: str, depth: int = 0, keep: bool = False) -> Any:
+    """One metadata value; arrays longer than KEEP_ARRAY_MAX are summarised unless `keep`."""
     if vtype in _SCALARS:
         value = r.unpack(_SCALARS[vtype], f"value of {key!r}")
         if vtype == T_BOOL:
@@ -212,14 +213,18 @@ def _read_value(r: _Reader, vtype: int, key: str, depth: int = 0) -> Any:
         if item_type in _SCALARS:
             item_size = struct.calcsize(_SCALARS[item_type])
             r.need(length * item_size, f"array {key!r}")
-            if length > KEEP_ARRAY_MAX:
+            if length > KEEP_ARRAY_MAX and not keep:
                 r.pos += length * item_size
                 return ArraySummary(item_type, length)
+            if keep and item_type in _INT_TYPES:  # all at once: a vocabulary's 262k token types
+                values = list(struct.unpack_from(f"<{length}{_SCALARS[item_type][1]}", r.buf, r.pos))
+                r.pos += length * item_size
+                return values
             return [_read_value(r, item_type, key, depth + 1) for _ in range(length)]
         if item_type in (T_STRING, T_ARRAY):
             min_size = 8 if item_type == T_STRING else 12
             r.need(length * min_size, f"array {key!r}")  # each element needs at least its length prefix
-            keep = length <= KEEP_ARRAY_MAX
+            keep = keep or length <= KEEP_ARRAY_MAX
             if item_type == T_STRING and not keep:
                 return ArraySummary(item_type, length, _skip_strings(r, length, key))
             items = [_read_value(r, item_type, key, depth + 1) for _ in range(length)] if keep else None
@@ -247,8 +252,10 @@ def _check_typed_keys(metadata: dict[str, Any]) -> None:
         raise GGUFError(f"invalid GGUF: diffusion.canvas_length {canvas} is larger than {MAX_CANVAS_LENGTH}")
 
 
-def parse_gguf(buf: bytes | memoryview | mmap.mmap, size: int | None = None) -> GGUFInfo:
-    """Validate and describe a GGUF held in `buf` (bytes or an mmap). Raises GGUFError on any inconsistency."""
+def parse_gguf(buf: bytes | memoryview | mmap.mmap, size: int | None = None,
+               keep_arrays: frozenset[str] = frozenset()) -> GGUFInfo:
+    """Validate and describe a GGUF held in `buf` (bytes or an mmap). Raises GGUFError on any inconsistency. The
+    arrays named in `keep_arrays` are read whole, however long (a vocabulary for the schema compiler)."""
     size = len(buf) if size is None else size
     r = _Reader(buf, size)
     if size < 4 or bytes(buf[:4]) != GGUF_MAGIC:
@@ -273,7 +280,7 @@ def parse_gguf(buf: bytes | memoryview | mmap.mmap, size: int | None = None) -> 
         if key in metadata:
             raise GGUFError(f"invalid GGUF: duplicate key {key!r}")
         vtype = r.unpack("<I", f"type of {key!r}")
-        metadata[key] = _read_value(r, vtype, key)
+        metadata[key] = _read_value(r, vtype, key, keep=key in keep_arrays)
     _check_typed_keys(metadata)
 
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
@@ -332,8 +339,9 @@ def parse_gguf(buf: bytes | memoryview | mmap.mmap, size: int | None = None) -> 
     return GGUFInfo(version, metadata, tensors, alignment, data_offset, size)
 
 
-def read_gguf_info(path: str | os.PathLike) -> GGUFInfo:
-    """Validate the GGUF at `path` without reading its tensor data (memory bounded by the mapping)."""
+def read_gguf_info(path: str | os.PathLike, keep_arrays: frozenset[str] = frozenset()) -> GGUFInfo:
+    """Validate the GGUF at `path` without reading its tensor data (memory bounded by the mapping); `keep_arrays` as
+    parse_gguf."""
     path = Path(path)
     try:
         # Check the type before opening: opening a FIFO or device would block or read forever.
@@ -344,7 +352,7 @@ def read_gguf_info(path: str | os.PathLike) -> GGUFInfo:
             if size < 4:
                 raise GGUFError("invalid GGUF: file too short")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                return parse_gguf(mm, size)
+                return parse_gguf(mm, size, keep_arrays)
     except OSError as exc:
         raise GGUFError(f"cannot read GGUF file: {exc.strerror or exc}") from None
 

@@ -46,7 +46,10 @@ class LocalServer:
             server_log.addHandler(logging.NullHandler())
             server_log.propagate = False
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(config), log_level="debug" if config.debug else "critical",
+        # A server for one command: a background "any JSON object" compile would rarely finish before it ends (a
+        # `run --format json` compiles it on request, as the background compile would).
+        app = create_app(config, precompile_formats=False)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="debug" if config.debug else "critical",
                                                     lifespan="on", timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="dgemma-local-server",
                                        daemon=True)

@@ -1,26 +1,56 @@
-"""Token automata for structured output, compiled once per (model, schema) and kept in a small LRU cache.
+"""Compiling a structured-output format into a token automaton: the vocabulary side, the isolated compile and the
+cache files (docs/generation.md, "Structured output").
 
 Compiling is outlines-core's work and its cost depends on the schema and the vocabulary: milliseconds for a small
-schema, ~10 s for "any JSON object" on the 512-token test vocabulary, and some schemas (bounded string lengths above
-a dozen or so) take minutes. So each compile runs in a child Python under a time limit: a schema that would take
-too long is refused instead of tying up the server, and a hung compile is killed (docs/generation.md, "Structured
-output").
+schema on a small vocabulary, seconds for a 6-field schema at the released 262,144 tokens, a minute or more for "any
+JSON object" there, and no end for hostile schemas (`minLength: 100000`, patterns whose DFA explodes). So:
+- what does not depend on the schema is computed once per vocabulary (`Vocabulary`: the bytes each text token writes,
+  the stop ids, a digest naming them);
+- each compile runs in a child Python at low CPU priority under a CPU-time limit, and can be stopped at any moment
+  (the child is killed), so a schema that would take too long is refused instead of tying up a core;
+- the child writes the automaton to a cache file (numpy arrays, no pickle) named by the vocabulary digest and the
+  schema, so a schema is compiled once per vocabulary across requests and restarts. A file that does not read back
+  as a consistent automaton is ignored.
+The server decides when to compile and how long to wait (dgemma_cli/server/schema_compiler.py).
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import pickle
+import shutil
+import signal
 import subprocess
 import sys
 import threading
-from collections import OrderedDict
-from typing import Any, Hashable
+from dataclasses import dataclass, fields
+from functools import cached_property
+from pathlib import Path
+from typing import Any
 
-from dgemma_engine.constrained import ConstraintError, TokenAutomaton, compile_constraint
-from dgemma_engine.generate import eos_ids_from_metadata
+import numpy as np
 
-CACHE_SIZE = 8                 # automata kept per process (the "any JSON object" one of a 262k vocabulary is large)
-COMPILE_TIMEOUT_S = 120.0
+from dgemma_engine.constrained import ConstraintError, TokenAutomaton, schema_regex, token_bytes
+
+CACHE_LAYOUT = 1            # raised when token_bytes or the cache files change meaning
+CHILD_NICENESS = 19         # compiles take only the CPU that generations leave
+POLL_S = 0.05               # how often a waiting compile checks its stop flag
+MAX_MESSAGE_CHARS = 1000    # of a compile error (an error can quote the schema's whole regular expression)
+ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # a compile is serial
+
+
+class CompileLimitExceeded(ConstraintError):
+    """The compile ran past its limit (`kind`: "CPU time" or "wall time") and was stopped."""
+
+    def __init__(self, kind: str, seconds: float):
+        super().__init__(f"the JSON schema is too complex: compiling it takes more than {seconds:g} s of {kind}")
+        self.kind = kind
+        self.seconds = seconds
+
+
+class CompileStopped(ConstraintError):
+    """The compile was stopped from outside (its requester left) before it finished."""
 
 
 def schema_key(schema: dict[str, Any] | None) -> str:
@@ -28,81 +58,243 @@ def schema_key(schema: dict[str, Any] | None) -> str:
     return json.dumps(schema, sort_keys=True, separators=(",", ":"))
 
 
-def compile_isolated(schema: dict[str, Any] | None, tokens, token_types, stop_ids,
-                     timeout_s: float = COMPILE_TIMEOUT_S) -> TokenAutomaton:
-    """compile_constraint in a child Python (`python -m dgemma_engine.automata`, pickles over its stdin/stdout);
-    ConstraintError when it fails or runs past `timeout_s` (then it is killed)."""
-    types = None if token_types is None else [int(t) for t in token_types]
-    job = pickle.dumps((schema, [str(t) for t in tokens], types, [int(t) for t in stop_ids]))
-    child = subprocess.Popen([sys.executable, "-m", "dgemma_engine.automata"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+@dataclass(frozen=True, eq=False)
+class Vocabulary:
+    """What a compile needs from a model, and nothing that depends on the schema."""
+
+    token_map: dict[bytes, list[int]]   # the bytes a text token writes -> its ids, stop ids left out (outlines-core)
+    stop_ids: tuple[int, ...]
+    n_tokens: int
+    digest: str                         # names the vocabulary in cache keys: same tokens, types and stops, same digest
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, Any]) -> Vocabulary:
+        """From GGUF keys: tokenizer.ggml.tokens, tokenizer.ggml.token_type; stop ids as eos_ids_from_metadata."""
+        from importlib.metadata import version
+
+        from dgemma_engine.generate import eos_ids_from_metadata  # not at the top: the compile child never needs it
+
+        tokens = list(metadata.get("tokenizer.ggml.tokens") or [])
+        token_types = metadata.get("tokenizer.ggml.token_type")
+        stop_ids = tuple(int(t) for t in eos_ids_from_metadata(metadata))
+        if not stop_ids:
+            raise ConstraintError("structured output needs a stop token")
+        token_map = token_bytes(tokens, token_types)
+        stops = set(stop_ids)
+        for written, ids in list(token_map.items()):
+            if not stops.isdisjoint(ids):  # a stop id ends the value; it is never written inside it
+                kept = [i for i in ids if i not in stops]
+                if kept:
+                    token_map[written] = kept
+                else:
+                    del token_map[written]
+        # the token_bytes rules and outlines-core's version decide the automata too
+        named = json.dumps([CACHE_LAYOUT, version("outlines_core"), list(stop_ids), tokens,
+                            None if token_types is None else [int(t) for t in token_types]])
+        return cls(token_map, stop_ids, len(tokens), hashlib.sha256(named.encode()).hexdigest())
+
+
+def compile_for_vocabulary(schema: dict[str, Any] | None, vocabulary: Vocabulary) -> TokenAutomaton:
+    """The automaton of `schema` (None: any JSON object) over `vocabulary`, in this process."""
+    from outlines_core import Index
+    from outlines_core import Vocabulary as OutlinesVocabulary
+
     try:
-        out, _ = child.communicate(job, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.communicate()
-        raise ConstraintError(f"the JSON schema is too complex: compiling it took longer than {timeout_s:g} s") from None
+        index = Index(schema_regex(schema), OutlinesVocabulary(vocabulary.stop_ids[0], vocabulary.token_map))
+    except ConstraintError:
+        raise
+    except Exception as exc:
+        raise ConstraintError(f"cannot compile the JSON schema for this vocabulary: {exc}") from exc
+    return TokenAutomaton.build(index.get_transitions(), index.get_initial_state(), index.get_final_states(),
+                                vocabulary.stop_ids)
+
+
+# ---- cache files ---------------------------------------------------------------------------------------------------
+
+def _layout() -> str:
+    """Names the TokenAutomaton layout the files hold: files of another layout are never opened."""
+    names = sorted(f.name for f in fields(TokenAutomaton)) + sorted(_cached_names())
+    return f"v{CACHE_LAYOUT}-" + hashlib.sha256(",".join(names).encode()).hexdigest()[:12]
+
+
+def _cached_names() -> list[str]:
+    return [name for name, value in vars(TokenAutomaton).items() if isinstance(value, cached_property)]
+
+
+def cache_file(cache_dir: Path, vocabulary: Vocabulary, schema: dict[str, Any] | None) -> Path:
+    """Where the automaton of (vocabulary, schema) is kept under `cache_dir`."""
+    schema_digest = hashlib.sha256(schema_key(schema).encode()).hexdigest()
+    return Path(cache_dir) / _layout() / vocabulary.digest[:32] / f"{schema_digest[:32]}.npz"
+
+
+def save_automaton(path: Path, automaton: TokenAutomaton) -> None:
+    """Write the automaton (its fields and the cached properties computed so far) atomically: a reader sees the
+    whole file or none."""
+    arrays: dict[str, np.ndarray] = {}
+    for name, value in vars(automaton).items():
+        arrays[name] = np.array(sorted(value), dtype=np.int64) if isinstance(value, frozenset) else np.asarray(value)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        status, value = pickle.loads(out)
+        with open(scratch, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(scratch, path)
+    finally:
+        scratch.unlink(missing_ok=True)
+
+
+def load_automaton(path: Path, n_tokens: int) -> TokenAutomaton | None:
+    """The automaton in `path`, or None when there is none or it is not a consistent automaton over `n_tokens` token
+    ids (a damaged file is recompiled, never trusted)."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            stored = {name: data[name] for name in data.files}
+        automaton = _automaton_from_arrays(stored)
+    except Exception:  # noqa: BLE001 - missing, truncated, foreign or damaged: all mean "compile it again"
+        return None
+    return automaton if _consistent(automaton, n_tokens) else None
+
+
+def _automaton_from_arrays(stored: dict[str, np.ndarray]) -> TokenAutomaton:
+    values = {}
+    for f in fields(TokenAutomaton):
+        array = stored[f.name]
+        if f.type == "int":
+            values[f.name] = int(array)
+        elif f.type.startswith("frozenset"):
+            values[f.name] = frozenset(int(x) for x in array)
+        else:
+            values[f.name] = np.ascontiguousarray(array)
+    automaton = TokenAutomaton(**values)
+    for name in _cached_names():
+        if name in stored:
+            automaton.__dict__[name] = np.ascontiguousarray(stored[name])
+    return automaton
+
+
+def _consistent(a: TokenAutomaton, n_tokens: int) -> bool:
+    """Every index the decoder follows lies in range, and the edges are grouped by destination as `build` groups
+    them."""
+    edge_arrays = (a.src, a.tok, a.dst)
+    if a.n_states < 1 or not 0 <= a.initial < a.n_states:
+        return False
+    if any(x.dtype.kind not in "iu" or x.ndim != 1 or len(x) != len(a.src) for x in edge_arrays) or not len(a.src):
+        return False
+    if min(a.src.min(), a.dst.min(), a.tok.min()) < 0 or max(a.src.max(), a.dst.max()) >= a.n_states:
+        return False
+    if a.tok.max() >= n_tokens or any(not 0 <= f < a.n_states for f in a.finals):
+        return False
+    seg_starts = np.flatnonzero(np.r_[True, a.dst[1:] != a.dst[:-1]])
+    if np.any(np.diff(a.dst) < 0) or not np.array_equal(seg_starts, a.seg_starts):
+        return False
+    if not np.array_equal(a.dst[seg_starts], a.seg_dst):
+        return False
+    for name in _cached_names():  # per-state tables the compile computed
+        table = a.__dict__.get(name)
+        if table is not None and (table.ndim != 1 or len(table) != a.n_states or table.dtype.kind not in "iu"):
+            return False
+    return True
+
+
+# ---- the isolated compile ------------------------------------------------------------------------------------------
+
+def compile_isolated(schema: dict[str, Any] | None, vocabulary: Vocabulary, out_path: Path,
+                     cpu_limit_s: float | None = None, wall_limit_s: float | None = None,
+                     stop: threading.Event | None = None) -> TokenAutomaton:
+    """Compile in a child Python (`python -m dgemma_engine.automata`) at low priority; it writes the automaton to
+    `out_path`, which this reads back. CompileLimitExceeded past `cpu_limit_s` of the child's CPU time or
+    `wall_limit_s` of waiting, CompileStopped once `stop` is set; the child is killed in both cases."""
+    job = pickle.dumps({"schema": schema, "token_map": vocabulary.token_map, "stop_ids": vocabulary.stop_ids,
+                        "n_tokens": vocabulary.n_tokens, "out_path": str(out_path), "cpu_limit_s": cpu_limit_s})
+    child = subprocess.Popen(_child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, env={**os.environ, **ONE_THREAD})
+    # The job (megabytes at a large vocabulary) goes in from a thread: Popen.communicate cannot resume sending input
+    # after a timeout, and this thread must keep checking `stop`.
+    feeder = threading.Thread(target=_send, args=(child, job), name="dgemma-compile-input", daemon=True)
+    feeder.start()
+    waited = 0.0
+    try:
+        while True:
+            try:
+                child.wait(timeout=POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                waited += POLL_S
+            if stop is not None and stop.is_set():
+                raise CompileStopped("the JSON schema compile was stopped")
+            if wall_limit_s is not None and waited > wall_limit_s:
+                raise CompileLimitExceeded("wall time", wall_limit_s)
+        out = child.stdout.read()  # the answer is one short pickle: it fits the pipe, so the child did not block
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        feeder.join()
+        child.stdout.close()
+    if cpu_limit_s is not None and child.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        raise CompileLimitExceeded("CPU time", cpu_limit_s)
+    try:
+        status, message = pickle.loads(out)
     except Exception:  # noqa: BLE001 - a crashed child leaves nothing readable
         raise ConstraintError(f"cannot compile the JSON schema: the compiler exited with status {child.returncode}")
     if status != "ok":
-        raise ConstraintError(value)
-    return value
+        raise ConstraintError(message)
+    automaton = load_automaton(out_path, vocabulary.n_tokens)
+    if automaton is None:
+        raise ConstraintError("cannot compile the JSON schema: the compiler's result does not read back")
+    return automaton
+
+
+def _child_command() -> list[str]:
+    """`python -m dgemma_engine.automata`, started through `nice` where there is one: the child's start (the
+    interpreter, numpy, outlines-core) is a third of a second of CPU that must not compete with generations
+    either, and a priority set from inside would come after it (and, on Linux, only for the calling thread)."""
+    command = [sys.executable, "-m", "dgemma_engine.automata"]
+    nice = shutil.which("nice")
+    return [nice, "-n", str(CHILD_NICENESS), *command] if nice else command
+
+
+def _send(child: subprocess.Popen, job: bytes) -> None:
+    try:
+        child.stdin.write(job)
+        child.stdin.close()
+    except (BrokenPipeError, OSError):  # the child died or was killed first: its exit status tells why
+        pass
+
+
+def _limit_child(cpu_limit_s: float | None) -> None:
+    """Low priority; a CPU-time limit the kernel enforces (SIGXCPU, then SIGKILL a second later); on Linux, death
+    with the server, so a killed server leaves no compile running."""
+    import ctypes
+    import math
+    import resource
+
+    os.nice(max(0, CHILD_NICENESS - os.nice(0)))  # when no `nice` started it so
+    if cpu_limit_s is not None:
+        seconds = max(1, math.ceil(cpu_limit_s))
+        resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 1))
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def child_main() -> None:
-    """The child side of compile_isolated: one job from stdin, ("ok", automaton) or ("error", text) to stdout."""
-    schema, tokens, token_types, stop_ids = pickle.loads(sys.stdin.buffer.read())
+    """The child side of compile_isolated: one job from stdin; the automaton to its file; ("ok", None) or
+    ("error", one line) to stdout."""
+    job = pickle.loads(sys.stdin.buffer.read())
+    _limit_child(job["cpu_limit_s"])
+    vocabulary = Vocabulary(job["token_map"], tuple(job["stop_ids"]), job["n_tokens"], digest="")
     try:
-        answer = ("ok", compile_constraint(schema, tokens, token_types, stop_ids))
+        save_automaton(Path(job["out_path"]), compile_for_vocabulary(job["schema"], vocabulary))
+        answer = ("ok", None)
     except ConstraintError as exc:
-        answer = ("error", str(exc))
+        answer = ("error", str(exc).splitlines()[0])
     except BaseException as exc:  # noqa: BLE001 - outlines-core panics are BaseExceptions; report them as one line
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         answer = ("error", f"cannot compile the JSON schema: {text}")
+    answer = (answer[0], answer[1] and answer[1][:MAX_MESSAGE_CHARS])  # the answer must fit the pipe (see above)
     sys.stdout.buffer.write(pickle.dumps(answer))
     sys.stdout.buffer.flush()
-
-
-class AutomatonCache:
-    """LRU of compiled automata by (model key, schema). Concurrent requests for the same pair share one compile."""
-
-    def __init__(self, size: int = CACHE_SIZE, timeout_s: float = COMPILE_TIMEOUT_S):
-        self.size = size
-        self.timeout_s = timeout_s
-        self._entries: OrderedDict[tuple[Hashable, str], TokenAutomaton] = OrderedDict()
-        self._lock = threading.Lock()
-        self._compiling: dict[tuple[Hashable, str], threading.Lock] = {}
-
-    def get(self, model_key: Hashable, schema: dict[str, Any] | None, metadata: dict[str, Any]) -> TokenAutomaton:
-        """The automaton for `schema` over the vocabulary in `metadata` (GGUF keys: tokenizer.ggml.tokens,
-        tokenizer.ggml.token_type; stop ids as eos_ids_from_metadata)."""
-        key = (model_key, schema_key(schema))
-        with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                return self._entries[key]
-            gate = self._compiling.setdefault(key, threading.Lock())
-        with gate:
-            with self._lock:
-                if key in self._entries:
-                    return self._entries[key]
-            try:
-                automaton = compile_isolated(schema, metadata.get("tokenizer.ggml.tokens") or [],
-                                             metadata.get("tokenizer.ggml.token_type"),
-                                             eos_ids_from_metadata(metadata), self.timeout_s)
-            finally:
-                with self._lock:
-                    self._compiling.pop(key, None)
-            with self._lock:
-                self._entries[key] = automaton
-                while len(self._entries) > self.size:
-                    self._entries.popitem(last=False)
-            return automaton
-
-
-AUTOMATA = AutomatonCache()
 
 
 if __name__ == "__main__":

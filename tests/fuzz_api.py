@@ -5,9 +5,10 @@
 Starts `dgemma serve` as a subprocess on a loopback port (tests/server_harness.py ServeProcess) with the tiny
 fixture model, then sends `cases` requests built from a valid body of every endpoint by one to three random
 mutations (wrong types, huge numbers, surrogates, NULs, deep nesting, long strings, random keys, absurd options, bad
-names and digests), plus mutated GGUFs (tests/gguf_mutator.py and random byte corruption) uploaded with /api/blobs
-and used by /api/create. It checks that
+names and digests, JSON schemas whose compile never ends), plus mutated GGUFs (tests/gguf_mutator.py and random
+byte corruption) uploaded with /api/blobs and used by /api/create. It checks that
 - no answer is a 5xx (nor a streamed `internal server error`), and every request is answered within a deadline;
+- a generation whose format is a hostile schema (tests/json_schemas.py) gets a 4xx within the compile limit + slack;
 - the server process stays alive (no signal, no exit);
 - every model that create accepted and that still exists answers a generate with 200.
 Nothing leaves the machine: the server only listens on 127.0.0.1 and pulls can only name loopback hosts (a default
@@ -35,13 +36,17 @@ if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
 from gguf_mutator import MUTANTS, mutate  # noqa: E402
+from json_schemas import HOSTILE_SCHEMAS, SCHEMAS  # noqa: E402
 from server_harness import ServeProcess, free_port  # noqa: E402
 
 FIXTURE = TESTS / "fixtures" / "tiny-a"
 BASE_MODEL = "tiny"
 # Small caps keep every generation short, so the run is bounded by the number of cases.
+COMPILE_LIMIT_S = 1.0
 SERVER_ENV = {"DGEMMA_NOPRUNE": "1", "DGEMMA_MAX_STEPS": "6", "DGEMMA_MAX_CANVASES": "2",
-              "DGEMMA_PULL_RETRIES": "0", "DGEMMA_PULL_BACKOFF": "0"}
+              "DGEMMA_PULL_RETRIES": "0", "DGEMMA_PULL_BACKOFF": "0",
+              "DGEMMA_SCHEMA_COMPILE_TIMEOUT": f"{COMPILE_LIMIT_S:g}"}
+HOSTILE_ANSWER_S = COMPILE_LIMIT_S + 8.0  # the compile child runs at the lowest priority on a shared machine
 SMOKE_OPTIONS = {"num_predict": 16, "diffusion_steps": 2, "seed": 1}
 MIRRORED_HOSTS = ("registry.ollama.ai", "hf.co", "huggingface.co")
 # 5xx answers that are the contract, not a fault: push is not implemented; an unreachable registry is a bad gateway.
@@ -129,6 +134,12 @@ class Hostile:
         depth = self.rng.choice([50, 99, 101, 500, 1000, 5000, 100_000])
         open_, close = self.rng.choice([("[", "]"), ('{"a":', "}")])
         return Raw(open_ * depth + ("1" if open_ == "[" else "1") + close * depth)
+
+    def schema(self) -> Any:
+        """A JSON schema for `format`: a hostile one (its compile never ends), or one the tests compile."""
+        if self.rng.random() < 0.5:
+            return copy.deepcopy(self.rng.choice(list(HOSTILE_SCHEMAS.values())))
+        return copy.deepcopy(self.rng.choice([s for s in SCHEMAS.values() if s is not None]))
 
     def options(self) -> dict[str, Any]:
         return {self.rng.choice(KNOWN_OPTIONS): self.value(shallow=True) for _ in range(self.rng.randrange(1, 6))}
@@ -241,9 +252,34 @@ def mutate_body(rng: random.Random, hostile: Hostile, body: Any) -> Any:
         field_name = rng.choice(NAME_FIELDS)
         body[field_name] = rng.choice(NAMES)
         return body
+    if kind == 5:
+        schema = hostile.schema()
+        if "messages" in body and "think" not in body:  # an OpenAI chat completion
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "fuzz", "schema": schema}}
+        else:
+            body["format"] = schema
+        return body
     if paths:
         _set(body, rng.choice(paths), hostile.value())
     return body
+
+
+def hostile_generation(path: str, body: Any) -> bool:
+    """Whether the body asks for a generation in a format whose compile never ends (its answer must be a 4xx)."""
+    if not isinstance(body, dict):
+        return False
+    if path == "/v1/chat/completions":
+        response_format = body.get("response_format")
+        json_schema = response_format.get("json_schema") if isinstance(response_format, dict) else None
+        schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
+    elif path in ("/api/generate", "/api/chat"):
+        schema = body.get("format")
+        text = body.get("prompt") if path == "/api/generate" else body.get("messages")
+        if not text:  # no prompt: a load or unload, which ignores the format
+            return False
+    else:
+        return False
+    return any(schema == hostile for hostile in HOSTILE_SCHEMAS.values())
 
 
 def _leaves_the_machine(name: Any) -> bool:
@@ -307,6 +343,7 @@ class FuzzReport:
     gguf_cases: int = 0
     gguf_accepted: int = 0
     models_checked: int = 0
+    hostile_formats: int = 0  # generations asked for in a hostile schema's format
     seconds: float = 0.0
     stopped_early: bool = False
 
@@ -314,6 +351,7 @@ class FuzzReport:
         histogram = ", ".join(f"{status}: {count}" for status, count in sorted(self.statuses.items()))
         return (f"{self.requests} requests in {self.seconds:.1f} s ({histogram}); GGUF uploads {self.gguf_cases}, "
                 f"accepted by create {self.gguf_accepted}; accepted models that generated: {self.models_checked}; "
+                f"generations in a hostile format: {self.hostile_formats}; "
                 f"failures: {len(self.failures)}" + (" (stopped at the time budget)" if self.stopped_early else ""))
 
 
@@ -324,7 +362,10 @@ class Fuzzer:
         self.client = httpx.Client(base_url=server.url, timeout=deadline)
         self.accepted: set[str] = set()  # models create answered 200 for (checked at the end)
 
-    def send(self, method: str, path: str, content: bytes | None, label: str) -> httpx.Response | None:
+    def send(self, method: str, path: str, content: bytes | None, label: str,
+             within: float | None = None) -> httpx.Response | None:
+        """The answer (None when there was none); a failure when it is a 5xx, or comes after `within` seconds or is
+        not a 4xx when `within` is given."""
         report = self.report
         report.requests += 1
         started = time.monotonic()
@@ -339,6 +380,10 @@ class Fuzzer:
             report.statuses["connection error"] += 1
             return None
         report.statuses[response.status_code] += 1
+        seconds = time.monotonic() - started
+        if within is not None and (seconds > within or not 400 <= response.status_code < 500):
+            report.failures.append(f"{label}: {response.status_code} after {seconds:.1f} s (expected a 4xx within "
+                                   f"{within:g} s)")
         if response.status_code >= 500 and (path, response.status_code) not in DOCUMENTED_5XX:
             report.failures.append(f"{label}: {response.status_code} {response.text[:200]}")
         elif "internal server error" in response.text:
@@ -435,8 +480,11 @@ def run(cases: int, seed: int = 1, gguf: Path | None = None, time_budget: float 
                     body = mutate_body(rng, hostile, body)
                 if not is_safe(path, body):
                     continue
+                hostile_format = hostile_generation(path, body)
+                report.hostile_formats += hostile_format
                 response = fuzzer.send(method, path, encode(body), f"case {case}: {method} {path} "
-                                                                  f"{encode(body)[:160]!r}")
+                                                                  f"{encode(body)[:160]!r}",
+                                       within=HOSTILE_ANSWER_S if hostile_format else None)
                 if path in ("/api/create", "/api/copy"):
                     fuzzer.note_create(body if path == "/api/create" else {"model": body.get("destination")}
                                        if isinstance(body, dict) else None, response)

@@ -10,3 +10,11 @@ SCHEMAS = {
     "strings": {"type": "array", "items": {"type": "string"}},
     "json": None,
 }
+
+# Schemas whose compile never ends (a DFA that explodes, huge bounded repetitions): the server refuses each with a 400
+# at DGEMMA_SCHEMA_COMPILE_TIMEOUT (tests/test_schema_compile.py, tests/fuzz_api.py).
+HOSTILE_SCHEMAS = {
+    "pattern-blowup": {"type": "string", "pattern": "^(a|b)*a(a|b){24}$"},
+    "min-length": {"type": "string", "minLength": 100000},
+    "min-items": {"type": "array", "minItems": 5000},
+}

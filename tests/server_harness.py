@@ -79,9 +79,6 @@ class FakeRunner:
     def detokenize(self, ids: list[int]) -> str:
         return "".join(chr(i - TOKEN_OFFSET) for i in ids if i >= TOKEN_OFFSET)
 
-    def compile_format(self, schema):
-        return {"schema": schema}  # the fake's answer is scripted: a format is accepted and ignored
-
     def generate(self, prompt_ids, sampler, max_new_tokens, cancel, constraint=None):
         try:
             yield from self._generate(prompt_ids, sampler, max_new_tokens, cancel)
@@ -129,8 +126,32 @@ class FakeRunner:
         self.b.closes += 1
 
 
-def fake_factory(behaviour: FakeBehaviour):
-    return lambda local_model, num_ctx: FakeRunner(behaviour, local_model, num_ctx)
+class FakeFactory:
+    """Makes FakeRunners that share one FakeBehaviour."""
+
+    def __init__(self, behaviour: FakeBehaviour):
+        self.behaviour = behaviour
+
+    def __call__(self, local_model: Any, num_ctx: int) -> FakeRunner:
+        return FakeRunner(self.behaviour, local_model, num_ctx)
+
+
+def fake_factory(behaviour: FakeBehaviour) -> FakeFactory:
+    return FakeFactory(behaviour)
+
+
+class FakeSchemaCompiler:
+    """The schema compiler of a server with fake runners: their answers are scripted, so a format is accepted and
+    ignored (the fake models' GGUFs have no vocabulary that could write JSON)."""
+
+    async def automaton(self, gguf_path, schema):
+        return {"schema": schema}
+
+    def precompile(self, model) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
 
 
 # ---- models in a tmp store ------------------------------------------------------------------------------------------
@@ -199,7 +220,8 @@ class InProcessServer:
         self.port = free_port()
         config.host = type(config.host)("http", "127.0.0.1", self.port)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(config, store, runner_factory)
+        schemas = FakeSchemaCompiler() if isinstance(runner_factory, FakeFactory) else None
+        self.app = create_app(config, store, runner_factory, schemas)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

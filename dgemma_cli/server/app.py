@@ -1,6 +1,7 @@
 """The FastAPI application: routes, error rendering, security middleware, lifespan (store pruning, unloading)."""
 import contextlib
 import logging
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,6 +16,7 @@ from dgemma_cli.server import ollama_routes, openai_routes, responses_routes
 from dgemma_cli.server.config import ServerConfig
 from dgemma_cli.server.runner import EngineRunner
 from dgemma_cli.server.scheduler import RunnerFactory, Scheduler
+from dgemma_cli.server.schema_compiler import SchemaCompiler
 from dgemma_cli.server.security import SecurityMiddleware, error_body
 from dgemma_cli.server.services import Services
 from dgemma_cli.server.streaming import error_message, error_status
@@ -140,12 +142,19 @@ def create_app(
     config: ServerConfig | None = None,
     store: Any = None,
     runner_factory: RunnerFactory | None = None,
+    schemas: Any = None,
+    precompile_formats: bool = True,
 ) -> FastAPI:
+    """`schemas`: what compiles structured-output formats (a SchemaCompiler over the store's cache by default);
+    `precompile_formats`: compile "any JSON object" in the background when a model loads."""
     from dgemma_cli.store import Store
 
     config = config or ServerConfig.from_env()
     store = store if store is not None else Store(config.models_dir)
-    scheduler = Scheduler(config, runner_factory or default_runner_factory)
+    if schemas is None:
+        schemas = SchemaCompiler(Path(store.root) / "cache" / "automata", config.schema_compile_timeout)
+    scheduler = Scheduler(config, runner_factory or default_runner_factory,
+                          on_loaded=schemas.precompile if precompile_formats else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -157,6 +166,7 @@ def create_app(
             except (OSError, DgemmaError) as exc:
                 log.warning("store pruning failed: %s", error_message(exc))
         yield
+        await schemas.close()
         await scheduler.shutdown()
 
     app = FastAPI(
@@ -167,7 +177,7 @@ def create_app(
         redoc_url=None,
         openapi_url="/openapi.json",
     )
-    app.state.services = Services(config, store, scheduler, __version__)
+    app.state.services = Services(config, store, scheduler, __version__, schemas)
     app.include_router(ollama_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(responses_routes.router)

@@ -33,6 +33,7 @@ class ServerConfig:
     max_canvases: int = env.MAX_CANVASES.default
     max_steps: int = env.MAX_STEPS.default
     compat_version: str = env.COMPAT_VERSION.default
+    schema_compile_timeout: float = env.SCHEMA_COMPILE_TIMEOUT.default  # CPU seconds
     max_json_body: int = 32 * 2**20
     sources: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)

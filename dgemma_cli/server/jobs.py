@@ -74,13 +74,13 @@ def render_messages(runner, messages: list[dict], thinking: bool | None, overrid
         raise inference.render_failed(exc) from None
 
 
-def compiled_format(runner, output_format: OutputFormat) -> Any:
-    """The runner's compiled automaton for this format (cached per model and schema); a schema the vocabulary cannot
-    write, or one too costly to compile, is the client's 400."""
+async def compiled_format(svc: Services, local_model: Any, output_format: OutputFormat) -> Any:
+    """The compiled automaton of this format for the model's vocabulary (server/schema_compiler.py); a schema the
+    vocabulary cannot write, or one too costly to compile, is the client's 400."""
     from dgemma_engine.constrained import ConstraintError
 
     try:
-        return runner.compile_format(output_format.schema)
+        return await svc.schemas.automaton(local_model.gguf_path, output_format.schema)
     except ConstraintError as exc:
         raise RequestError(str(exc).splitlines()[0]) from None
 
@@ -127,8 +127,12 @@ class Job:
         self.started = time.perf_counter()
 
     async def start(self, request: Request, build_prompt, think, tools: list[dict] | None = None) -> WorkerStream:
-        """Queue for the model, render the prompt, plan the canvases: every 4xx happens before the first byte.
-        `build_prompt(runner, thinking, tools)` gets the request's `tools` when the template can render them."""
+        """Compile the output format, queue for the model, render the prompt, plan the canvases: every 4xx happens
+        before the first byte. `build_prompt(runner, thinking, tools)` gets the request's `tools` when the template
+        can render them."""
+        automaton = None
+        if self.output_format is not None:  # compiled before queueing, so a costly schema never holds the model's slot
+            automaton = await until_disconnected(request, compiled_format(self.svc, self.local, self.output_format))
         lease = await until_disconnected(
             request, self.svc.scheduler.acquire(self.model.display, self.local, self.num_ctx, self.keep_alive)
         )
@@ -142,7 +146,7 @@ class Job:
             plan = inference.plan_generation(runner, prompt_ids, sampler, self.svc.config.max_canvases,
                                              structured=self.output_format is not None)
             if self.output_format is not None:
-                plan = replace(plan, constraint=await asyncio.to_thread(compiled_format, runner, self.output_format))
+                plan = replace(plan, constraint=automaton)
                 await asyncio.to_thread(format_fits_budget, plan)  # a first check walks the automaton once
         except BaseException:
             lease.release()

@@ -32,17 +32,12 @@ class Runner(Protocol):
 
     def detokenize(self, ids: list[int]) -> str: ...
 
-    def compile_format(self, schema: dict | None) -> Any:
-        """The compiled output format for a JSON schema (None: any JSON object), passed back to `generate` as its
-        `constraint`; raises `dgemma_engine.constrained.ConstraintError` for one this vocabulary cannot write."""
-        ...
-
     def generate(
         self, prompt_ids: list[int], sampler: SamplerSettings, max_new_tokens: int, cancel: threading.Event,
         constraint: Any = None, checker: Any = None,
     ) -> Iterator[Any]:
         """Yields the generation loop's StepEvent / CanvasEvent / DoneEvent (`dgemma_engine.events`); with a
-        `constraint` from `compile_format`, the committed text follows that format (structured output); with a task
+        `constraint` (a TokenAutomaton), the committed text follows that format (structured output); with a task
         model's `checker` (dgemma_engine.tasks), canvases are chosen and corrected by its rules."""
         ...
 
@@ -189,11 +184,6 @@ class EngineRunner:
 
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids))
-
-    def compile_format(self, schema: dict | None) -> Any:
-        from dgemma_engine.automata import AUTOMATA
-
-        return AUTOMATA.get(self.gguf_path, schema, self.metadata)  # blobs are content-addressed: the path is the key
 
     def generate(
         self, prompt_ids: list[int], sampler: SamplerSettings, max_new_tokens: int, cancel: threading.Event,

@@ -112,9 +112,11 @@ class _Ticket:
 
 
 class Scheduler:
-    def __init__(self, config: ServerConfig, runner_factory: RunnerFactory):
+    def __init__(self, config: ServerConfig, runner_factory: RunnerFactory,
+                 on_loaded: Callable[[Any], None] | None = None):
         self.config = config
         self.factory = runner_factory
+        self.on_loaded = on_loaded  # called on the event loop with the store's model once its runner is ready
         self.residents: dict[str, Resident] = {}
         self.pending = 0
         self._changed: asyncio.Condition | None = None
@@ -226,6 +228,8 @@ class Scheduler:
         resident.loaded_at = time.time()
         resident.ready.set_result(None)
         log.info("loaded %s in %.2fs", resident.name, resident.load_seconds)
+        if self.on_loaded is not None:
+            self.on_loaded(resident.model)
         if resident.refcount == 0:
             self._unref_idle(resident)
 

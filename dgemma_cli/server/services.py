@@ -53,11 +53,13 @@ class ResolvedModel:
 
 
 class Services:
-    def __init__(self, config: ServerConfig, store: Store, scheduler: Scheduler, dgemma_version: str):
+    def __init__(self, config: ServerConfig, store: Store, scheduler: Scheduler, dgemma_version: str,
+                 schemas: Any = None):
         self.config = config
         self.store = store
         self.scheduler = scheduler
         self.dgemma_version = dgemma_version
+        self.schemas = schemas  # compiles structured-output formats (server/schema_compiler.py)
 
     # ---- names and models ---------------------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 all read into one `OutputFormat` (docs/generation.md, "Structured output"; docs/server.md).
 
 A schema is checked here, in the request (a 400 before any model load); it is compiled against the model's
-vocabulary once the model is resident (`Runner.compile_format`).
+vocabulary before the request queues for the model (server/schema_compiler.py).
 """
 import json
 from dataclasses import dataclass

@@ -1,0 +1,219 @@
+"""Structured output's compile step, done before a request queues for a generation slot (docs/generation.md,
+"Structured output").
+
+A request's JSON schema is compiled against its model's vocabulary, which is read from the model's GGUF without
+loading weights (once per blob: blobs are content-addressed). The compile runs in a child process at low priority
+(dgemma_engine.automata) that the request owns: when the client leaves, the child is killed; past
+DGEMMA_SCHEMA_COMPILE_TIMEOUT seconds of CPU time it is killed and the request gets a one-line 400. At most
+`parallel` such children run at once (two on a small machine, so one hostile schema does not make a valid one wait),
+at the lowest CPU priority, so generations keep their speed.
+
+"Any JSON object" is shared instead: it is the same for every request and costs minutes of CPU at the released
+vocabulary, so it is compiled once per vocabulary in the background when a model loads, without that limit, and a
+request for it waits for that compile rather than being refused. Every automaton is kept in memory (the last
+CACHE_SIZE) and on disk (`<models>/cache/automata/`), so it is compiled once per (vocabulary, schema), across
+restarts.
+"""
+import asyncio
+import contextlib
+import logging
+import os
+import tempfile
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dgemma_cli import env
+
+log = logging.getLogger("dgemma.server")
+
+CACHE_SIZE = 8                  # automata kept in memory ("any JSON object" at 262k tokens is hundreds of MB)
+VOCABULARIES = 4                # vocabularies kept in memory, by GGUF path
+REFUSALS = 256                  # (vocabulary, schema) pairs known to exceed the CPU limit: refused again at once
+WALL_LIMIT_FACTOR = 30          # a compile starved of CPU by generations is given up after this × its CPU limit
+VOCABULARY_KEYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.token_type"})
+BACKGROUND_CPU_LIMIT_S = 1800.0  # "any JSON object" takes ~95 CPU seconds at 262k tokens; a crafted vocabulary less
+
+
+@dataclass(eq=False)
+class _Compile:
+    task: asyncio.Task
+    shared: bool                # kept running when its requesters leave ("any JSON object")
+    waiters: int = 0
+
+
+class SchemaCompiler:
+    """Compiled output formats for the requests, by (vocabulary digest, schema)."""
+
+    def __init__(self, cache_dir: Path | None, cpu_limit_s: float, parallel: int | None = None):
+        self.cache_dir = cache_dir
+        self.cpu_limit_s = cpu_limit_s
+        self._slots = asyncio.Semaphore(parallel or max(2, (os.cpu_count() or 1) // 2))
+        self._background_slot = asyncio.Semaphore(1)
+        self._vocabularies: OrderedDict[str, asyncio.Future] = OrderedDict()
+        self._automata: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._refused: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._compiles: dict[tuple[str, str], _Compile] = {}
+        self._background: set[asyncio.Task] = set()
+
+    async def automaton(self, gguf_path: str | os.PathLike, schema: dict[str, Any] | None) -> Any:
+        """The TokenAutomaton of `schema` (None: any JSON object) for the model in `gguf_path`. Raises
+        ConstraintError (one line) for a schema that cannot be compiled or exceeds the limit. Cancelling the call
+        (the client left) stops a compile that no other request waits for."""
+        from dgemma_engine.automata import schema_key
+        from dgemma_engine.constrained import ConstraintError
+
+        vocabulary = await self.vocabulary(gguf_path)
+        key = (vocabulary.digest, schema_key(schema))
+        if key in self._automata:
+            self._automata.move_to_end(key)
+            return self._automata[key]
+        if key in self._refused:
+            raise ConstraintError(self._refused[key])
+        job = self._compiles.get(key)
+        if job is None:
+            job = self._start(key, vocabulary, schema, shared=schema is None)
+        job.waiters += 1
+        try:
+            return await asyncio.shield(job.task)
+        finally:
+            job.waiters -= 1
+            if job.waiters == 0 and not job.shared and not job.task.done():
+                job.task.cancel()  # its requesters left: the child is killed
+
+    def precompile(self, model: Any) -> None:
+        """Start compiling "any JSON object" for a model that just loaded (a no-op when it is cached)."""
+        path = getattr(model, "gguf_path", None)
+        if path is None:
+            return
+        task = asyncio.ensure_future(self._precompile(str(path)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Stop every compile (their children are killed)."""
+        tasks = [job.task for job in self._compiles.values()] + list(self._background)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def vocabulary(self, gguf_path: str | os.PathLike) -> Any:
+        """The compile's view of the model's vocabulary (dgemma_engine.automata.Vocabulary), read once per GGUF."""
+        path = str(gguf_path)
+        future = self._vocabularies.get(path)
+        if future is None:
+            future = asyncio.ensure_future(asyncio.to_thread(read_vocabulary, path))
+            future.add_done_callback(lambda done: self._forget_failed_read(path, done))
+            self._vocabularies[path] = future
+            while len(self._vocabularies) > VOCABULARIES:
+                self._vocabularies.popitem(last=False)
+        else:
+            self._vocabularies.move_to_end(path)
+        return await asyncio.shield(future)
+
+    # ---- internals ------------------------------------------------------------------------------------------------
+
+    def _forget_failed_read(self, path: str, done: asyncio.Future) -> None:
+        if done.cancelled() or done.exception() is not None:
+            if self._vocabularies.get(path) is done:
+                del self._vocabularies[path]
+
+    def _start(self, key: tuple[str, str], vocabulary: Any, schema: dict | None, shared: bool) -> _Compile:
+        job = _Compile(asyncio.ensure_future(self._compile(key, vocabulary, schema, shared)), shared)
+        self._compiles[key] = job
+        job.task.add_done_callback(lambda task: self._finished(key, job, task))
+        return job
+
+    def _finished(self, key: tuple[str, str], job: _Compile, task: asyncio.Task) -> None:
+        if self._compiles.get(key) is job:
+            del self._compiles[key]
+        if not task.cancelled():
+            task.exception()  # retrieved here: a background compile's failure has no requester to see it
+
+    async def _compile(self, key: tuple[str, str], vocabulary: Any, schema: dict | None, shared: bool) -> Any:
+        from dgemma_engine.automata import CompileLimitExceeded, cache_file, load_automaton
+        from dgemma_engine.constrained import ConstraintError
+
+        path = None if self.cache_dir is None else cache_file(self.cache_dir, vocabulary, schema)
+        if path is not None:
+            automaton = await asyncio.to_thread(load_automaton, path, vocabulary.n_tokens)
+            if automaton is not None:
+                self._remember(key, automaton)
+                return automaton
+        cpu_limit_s = BACKGROUND_CPU_LIMIT_S if shared else self.cpu_limit_s
+        async with self._background_slot if shared else self._slots:
+            try:
+                automaton = await self._run_child(schema, vocabulary, path, cpu_limit_s)
+            except CompileLimitExceeded as exc:
+                message = limit_message(exc, shared)
+                if exc.kind == "CPU time":  # the same schema would take as long again; wall time depends on load
+                    self._refused[key] = message
+                    while len(self._refused) > REFUSALS:
+                        self._refused.popitem(last=False)
+                raise ConstraintError(message) from None
+        self._remember(key, automaton)
+        return automaton
+
+    async def _run_child(self, schema: dict | None, vocabulary: Any, path: Path | None, cpu_limit_s: float) -> Any:
+        from dgemma_engine.automata import compile_isolated
+
+        stop = threading.Event()
+        with contextlib.ExitStack() as scratch:
+            if path is None or not _writable_dir(path.parent):  # no cache: the child's file only carries the result
+                folder = scratch.enter_context(tempfile.TemporaryDirectory(prefix="dgemma-automaton-",
+                                                                           ignore_cleanup_errors=True))
+                path = Path(folder) / "automaton.npz"
+            try:
+                return await asyncio.to_thread(compile_isolated, schema, vocabulary, path, cpu_limit_s,
+                                               cpu_limit_s * WALL_LIMIT_FACTOR, stop)
+            finally:
+                stop.set()  # when this wait was cancelled (the requester left, shutdown), the child is killed
+
+    def _remember(self, key: tuple[str, str], automaton: Any) -> None:
+        self._automata[key] = automaton
+        self._automata.move_to_end(key)
+        while len(self._automata) > CACHE_SIZE:
+            self._automata.popitem(last=False)
+
+    async def _precompile(self, path: str) -> None:
+        try:
+            await self.automaton(path, None)
+        except Exception as exc:  # noqa: BLE001 - a request for it reports the same error itself
+            log.info('no "any JSON object" automaton for %s: %s', os.path.basename(path), exc)
+
+
+def read_vocabulary(path: str) -> Any:
+    """The compile's view of the model in `path`, from its metadata alone (read with the GGUF check's parser: about a
+    second for 262k tokens, where gguf's GGUFReader takes tens); ConstraintError when it has none."""
+    from dgemma_engine.automata import Vocabulary
+    from dgemma_engine.constrained import ConstraintError
+
+    from dgemma_cli.gguf_check import read_gguf_info
+
+    try:
+        metadata = read_gguf_info(path, keep_arrays=VOCABULARY_KEYS).metadata
+        return Vocabulary.from_metadata(metadata)
+    except ConstraintError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the store checked the file; this is one line either way
+        raise ConstraintError(f"cannot read the model's vocabulary: {str(exc).splitlines()[0] if str(exc) else exc!r}")
+
+
+def limit_message(exc: Any, shared: bool) -> str:
+    """The one line a request gets for a compile stopped at its limit, naming the limit and what sets it."""
+    setting = env.SCHEMA_COMPILE_TIMEOUT.name
+    if exc.kind == "CPU time":
+        where = "" if shared else f" ({setting})"
+        return f"the JSON schema is too complex: compiling it takes more than {exc.seconds:g} s of CPU time{where}"
+    where = "" if shared else f" ({WALL_LIMIT_FACTOR} × {setting})"
+    return f"the JSON schema compile did not finish within {exc.seconds:g} s on this busy server{where}"
+
+
+def _writable_dir(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK)

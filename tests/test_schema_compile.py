@@ -1,0 +1,316 @@
+"""Structured output's compile step (docs/generation.md, "Structured output"): done before the request queues for the
+model, in a child process limited in CPU time and killed when the client leaves, cached per (vocabulary, schema) in
+memory and on disk. Hostile schemas get a quick 400 and do not slow the requests around them; "any JSON object" is
+compiled in the background when the model loads and is never refused."""
+import hashlib
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from dgemma_cli.server.schema_compiler import read_vocabulary
+from dgemma_engine.automata import (CompileLimitExceeded, CompileStopped, Vocabulary, cache_file, compile_isolated,
+                                    load_automaton, save_automaton)
+from json_schemas import HOSTILE_SCHEMAS, SCHEMAS
+from server_harness import ServeProcess
+
+LIMIT_S = 2.0                   # DGEMMA_SCHEMA_COMPILE_TIMEOUT of the served tests
+SLACK_S = 10.0                  # a child at the lowest priority on a busy 2-core machine gets its CPU late
+PERSON = SCHEMAS["object-required"]
+PLAIN = {"model": "tiny", "prompt": "Tell me a story.", "stream": False,
+         "options": {"num_predict": 32, "diffusion_steps": 8, "seed": 1}}
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds compile children in /proc")
+
+
+def compile_children(pid: int) -> list[int]:
+    """Live compile children (`python -m dgemma_engine.automata`) of process `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if parent == pid and b"dgemma_engine.automata" in command:
+            found.append(int(entry.name))
+    return found
+
+
+def wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+# ---- the isolated compile and its cache files ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vocabulary(gguf_path) -> Vocabulary:
+    return read_vocabulary(str(gguf_path("tiny-a", "f32")))
+
+
+def tokenizer_metadata(path: Path) -> dict:
+    """The tokenizer keys as gguf's own reader gives them."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path, "r")
+    return {key: f.contents() for key, f in reader.fields.items() if key.startswith("tokenizer.")}
+
+
+def test_the_vocabulary_is_read_from_the_file_alone(vocabulary, gguf_path, tmp_path):
+    """Short arrays (tiny-a, 512 tokens) and long ones (3,000 tokens, which the GGUF check otherwise summarises)."""
+    from gguf import GGUFWriter
+
+    expected = Vocabulary.from_metadata(tokenizer_metadata(gguf_path("tiny-a", "f32")))
+    assert vocabulary.token_map == expected.token_map and vocabulary.digest == expected.digest
+    assert vocabulary.stop_ids == (1, 106, 50) and all(1 not in ids for ids in vocabulary.token_map.values())
+    long = tmp_path / "long.gguf"
+    writer = GGUFWriter(str(long), "diffusion-gemma")
+    writer.add_token_list(["<pad>", "<eos>"] + [f"w{i}" for i in range(2998)])
+    writer.add_token_types([3, 3] + [1] * 2998)
+    writer.add_eos_token_id(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    read = read_vocabulary(str(long))
+    expected = Vocabulary.from_metadata(tokenizer_metadata(long))
+    assert read.n_tokens == 3000 and read.token_map == expected.token_map and read.digest == expected.digest
+    assert read.digest != vocabulary.digest
+
+
+@pytest.fixture(scope="module")
+def person_file(vocabulary, tmp_path_factory) -> Path:
+    path = cache_file(tmp_path_factory.mktemp("automata"), vocabulary, PERSON)
+    compile_isolated(PERSON, vocabulary, path, cpu_limit_s=30)
+    return path
+
+
+def test_a_cache_file_reads_back_as_the_automaton_compiled(vocabulary, person_file):
+    from dgemma_engine.automata import compile_for_vocabulary
+
+    expected = compile_for_vocabulary(PERSON, vocabulary)
+    loaded = load_automaton(person_file, vocabulary.n_tokens)
+    assert loaded is not None and loaded.n_states == expected.n_states and loaded.initial == expected.initial
+    assert loaded.finals == expected.finals
+    for name in ("src", "tok", "dst", "seg_starts", "seg_dst", "tokens_to_close"):
+        assert np.array_equal(getattr(loaded, name), getattr(expected, name)), name
+
+
+def damaged(person_file: Path, tmp_path: Path, how: str) -> Path:
+    path = tmp_path / "damaged.npz"
+    if how == "garbage":
+        path.write_bytes(b"not a numpy archive")
+    elif how == "truncated":
+        path.write_bytes(person_file.read_bytes()[:200])
+    else:
+        with np.load(person_file) as data:
+            arrays = {name: data[name] for name in data.files}
+        if how == "token out of range":
+            arrays["tok"] = arrays["tok"] + 10**6
+        elif how == "state out of range":
+            arrays["src"] = arrays["src"] + arrays["n_states"]
+        elif how == "edges out of order":
+            arrays["dst"] = arrays["dst"][::-1].copy()
+        elif how == "array missing":
+            del arrays["seg_dst"]
+        elif how == "object array":
+            arrays["tok"] = np.array([object()] * len(arrays["tok"]))
+        save_automaton_arrays(path, arrays)
+    return path
+
+
+def save_automaton_arrays(path: Path, arrays: dict) -> None:
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated", "token out of range", "state out of range",
+                                 "edges out of order", "array missing", "object array"])
+def test_a_damaged_cache_file_is_ignored(vocabulary, person_file, tmp_path, how):
+    assert load_automaton(damaged(person_file, tmp_path, how), vocabulary.n_tokens) is None
+    assert load_automaton(tmp_path / "absent.npz", vocabulary.n_tokens) is None
+
+
+def test_writing_a_cache_file_leaves_no_partial_file(vocabulary, person_file, tmp_path):
+    automaton = load_automaton(person_file, vocabulary.n_tokens)
+    path = tmp_path / "a" / "b.npz"
+    save_automaton(path, automaton)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["b.npz"]
+    assert load_automaton(path, vocabulary.n_tokens) is not None
+
+
+def test_the_cpu_limit_stops_a_hostile_compile(vocabulary, tmp_path):
+    started = time.monotonic()
+    with pytest.raises(CompileLimitExceeded, match="more than 1 s of CPU time"):
+        compile_isolated(HOSTILE_SCHEMAS["min-length"], vocabulary, tmp_path / "x.npz", cpu_limit_s=1)
+    assert time.monotonic() - started < 1 + SLACK_S
+    assert not (tmp_path / "x.npz").exists()
+
+
+@needs_proc
+def test_stopping_a_compile_kills_its_child(vocabulary, tmp_path):
+    import os
+
+    stop = threading.Event()
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            compile_isolated(HOSTILE_SCHEMAS["pattern-blowup"], vocabulary, tmp_path / "x.npz", cpu_limit_s=60,
+                             stop=stop)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    assert wait_until(lambda: compile_children(os.getpid()), 10), "the compile child never started"
+    stop.set()
+    worker.join(timeout=5)
+    assert not worker.is_alive() and isinstance(outcome[0], CompileStopped)
+    assert compile_children(os.getpid()) == []
+
+
+# ---- through `dgemma serve` ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, gguf_path):
+    root = tmp_path_factory.mktemp("schema-compile")
+    env = {"DGEMMA_NOPRUNE": "1", "DGEMMA_SCHEMA_COMPILE_TIMEOUT": f"{LIMIT_S:g}"}
+    with ServeProcess(root / "models", env) as server, httpx.Client(base_url=server.url, timeout=600) as client:
+        data = gguf_path("tiny-a", "f32").read_bytes()
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        client.post(f"/api/blobs/{digest}", content=data).raise_for_status()
+        created = client.post("/api/create", json={"model": "tiny", "files": {"tiny-a.gguf": digest},
+                                                   "stream": False})
+        assert created.status_code == 200, created.text
+        yield server, client, root / "models"
+
+
+def generate(client: httpx.Client, schema=None, **overrides) -> tuple[httpx.Response, float]:
+    body = {**PLAIN, **overrides}
+    if schema is not None:
+        body["format"] = schema
+    started = time.monotonic()
+    response = client.post("/api/generate", json=body)
+    return response, time.monotonic() - started
+
+
+@pytest.mark.parametrize("label", list(HOSTILE_SCHEMAS))
+def test_a_hostile_schema_gets_a_400_within_the_limit(served, label):
+    _, client, _ = served
+    response, seconds = generate(client, HOSTILE_SCHEMAS[label])
+    error = response.json()["error"]
+    assert response.status_code == 400, response.text
+    assert error == (f"the JSON schema is too complex: compiling it takes more than {LIMIT_S:g} s of CPU time "
+                     "(DGEMMA_SCHEMA_COMPILE_TIMEOUT)")
+    assert seconds < LIMIT_S + SLACK_S
+    again, seconds = generate(client, HOSTILE_SCHEMAS[label])  # known to be over the limit: refused at once
+    assert again.status_code == 400 and again.json()["error"] == error and seconds < 1.0
+
+
+def test_a_hostile_schema_is_refused_on_the_openai_route_too(served):
+    _, client, _ = served
+    schema = {"type": "string", "minLength": 100001}
+    response = client.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert response.status_code == 400 and "DGEMMA_SCHEMA_COMPILE_TIMEOUT" in response.json()["error"]["message"]
+
+
+@needs_proc
+def test_a_client_that_leaves_stops_its_compile_and_frees_the_model(served):
+    server, client, _ = served
+    pid = server.process.pid
+    hostile = {"type": "string", "minLength": 100002}
+    with httpx.Client(base_url=server.url, timeout=1.0) as impatient:
+        seen: list[bool] = []
+        watcher = threading.Thread(target=lambda: seen.append(bool(wait_until(lambda: compile_children(pid), 1.0))))
+        watcher.start()
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post("/api/generate", json={**PLAIN, "format": hostile})
+        watcher.join()
+    assert seen == [True], "the compile child never ran"
+    # the server polls for a gone client every 250 ms, then kills the child
+    assert wait_until(lambda: compile_children(pid) == [], 2.0), compile_children(pid)
+    response, seconds = generate(client)
+    assert response.status_code == 200 and seconds < 30
+
+
+def test_any_json_object_waits_for_the_background_compile_and_is_never_refused(served):
+    """"Any JSON object" on tiny-a takes several CPU seconds, more than the 2 s limit: it is compiled in the background
+    once the model has loaded and the request waits for it."""
+    _, client, models = served
+    assert generate(client)[0].status_code == 200  # loads the model, which starts the background compile
+    response, _ = generate(client, "json", options={"num_predict": 32, "diffusion_steps": 2, "seed": 3})
+    assert response.status_code == 200, response.text
+    assert isinstance(json.loads(response.json()["response"]), dict)
+    assert len(list((models / "cache" / "automata").rglob("*.npz"))) >= 1
+
+
+def test_compiled_schemas_survive_a_restart_and_a_damaged_file_is_recompiled(served):
+    _, client, models = served
+    options = {"num_predict": 32, "diffusion_steps": 2, "seed": 4}
+    assert generate(client, "json", options=options)[0].status_code == 200
+    before = {p: p.stat().st_mtime_ns for p in (models / "cache" / "automata").rglob("*.npz")}
+    assert generate(client, PERSON, options=options)[0].status_code == 200
+    (person_file,) = set((models / "cache" / "automata").rglob("*.npz")) - set(before)
+    with ServeProcess(models, {"DGEMMA_NOPRUNE": "1"}) as second, httpx.Client(base_url=second.url,
+                                                                              timeout=600) as other:
+        response, _ = generate(other, "json", options=options)
+        assert response.status_code == 200
+        assert {p: p.stat().st_mtime_ns for p in before} == before  # read from the disk cache, not compiled again
+        person_file.write_bytes(b"damaged")
+        response, _ = generate(other, PERSON, options=options)
+        assert response.status_code == 200
+        jsonschema_valid(json.loads(response.json()["response"]), PERSON)
+    assert person_file.read_bytes()[:2] == b"PK"  # rewritten by the recompile
+
+
+def jsonschema_valid(value, schema) -> None:
+    import jsonschema
+
+    jsonschema.validate(value, schema)
+
+
+@needs_proc
+def test_hostile_compiles_leave_a_concurrent_request_within_twice_its_quiet_latency(served):
+    """Rounds of a quiet request, then one sent while two hostile compiles run (interleaved, so that the load the
+    rest of the machine puts on both is alike)."""
+    server, client, _ = served
+    pid = server.process.pid
+    assert generate(client, "json")[0].status_code == 200  # nothing left compiling in the background
+    options = {"num_predict": 64, "diffusion_steps": 16, "seed": 1}  # long enough that timer jitter does not count
+    quiet, beside, refusals = [], [], []
+
+    def attack(schema) -> None:
+        with httpx.Client(base_url=server.url, timeout=300) as attacker:
+            refusals.append(attacker.post("/api/generate", json={**PLAIN, "format": schema}).status_code)
+
+    for round_ in range(5):
+        assert wait_until(lambda: compile_children(pid) == [], 120)
+        quiet.append(generate(client, options=options)[1])
+        attackers = [threading.Thread(target=attack, args=({"type": "string", "pattern": f"^(a|b)*a(a|b){{{n}}}$"},))
+                     for n in (30 + 2 * round_, 31 + 2 * round_)]
+        for thread in attackers:
+            thread.start()
+        assert wait_until(lambda: len(compile_children(pid)) == 2, 30), "the hostile compiles did not start"
+        response, seconds = generate(client, options=options)
+        assert response.status_code == 200 and len(compile_children(pid)) == 2  # they ran all along
+        beside.append(seconds)
+        for thread in attackers:
+            thread.join()
+    assert refusals == [400] * 10
+    print(f"quiet {quiet}, beside two hostile compiles {beside}")
+    assert statistics.median(beside) <= 2 * statistics.median(quiet)
