@@ -511,26 +511,13 @@ static bool load_all(dg_model *m, const char *const *paths, const float *scales,
     return ok;
 }
 
-// ---------------------------------------------------------------------------------------------------------------
-// exported
-
-// 0 on success; else 1 + the index of the adapter at fault (n + 1 when none is), err set.
-DG_API int dg_model_load_adapters(dg_model *m, const char *const *paths, const float *scales, int n, char *err,
-                                  size_t err_len) {
-    if (err && err_len) err[0] = 0;
+int dg_lora_load(dg_model *m, const char *const *paths, const float *scales, int n, char *err, size_t err_len) {
     int failed;
     return load_all(m, paths, scales, n, false, &failed, err, err_len) ? 0 : failed + 1;
 }
 
-// Every check loading `adapter` onto the model at `model_path` makes, allocating neither. 1 ok, 0 with err set.
-DG_API int dg_adapter_check(const char *model_path, const char *adapter_path, char *err, size_t err_len) {
-    dg_model *m = dg_model_load_impl(model_path, 1, true, err, err_len);
-    if (!m) return 0;
+bool dg_lora_check(dg_model *m, const char *path, char *err, size_t err_len) {
     const float one = 1.0f;
     int failed;
-    const bool ok = load_all(m, &adapter_path, &one, 1, true, &failed, err, err_len);
-    dg_model_free_impl(m);
-    return ok;
+    return load_all(m, &path, &one, 1, true, &failed, err, err_len);
 }
-
-DG_API int dg_model_n_adapters(const dg_model *m) { return m->n_adapters; }

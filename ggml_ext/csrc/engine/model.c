@@ -541,8 +541,6 @@ fail:
 
 void dg_model_free_impl(dg_model *m) {
     if (!m) return;
-    dg_placement_free(&m->place);
-    dg_lora_free(m);
     if (m->buf_extra) ggml_backend_buffer_free(m->buf_extra);
     if (m->ctx_extra) ggml_free(m->ctx_extra);
     if (m->buf_file) ggml_backend_buffer_free(m->buf_file);
