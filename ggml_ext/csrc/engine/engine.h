@@ -254,11 +254,6 @@ bool dg_unit_fast(const dg_model *m, int unit);
 bool dg_experts_fast(const dg_model *m, int il);
 struct ggml_tensor *dg_lm_head(const dg_model *m);
 
-// bench.c: what the test hooks share: seeded random numbers (splitmix64; floats in [-1, 1)) and max |Δ| / max |want|
-uint64_t dg_next_rand(uint64_t *s);
-float dg_rand_float(uint64_t *s);
-double dg_max_rel_diff(const float *got, const float *want, int64_t n);
-
 // context.c: a context's lifecycle, placing and running its graphs, profiling
 dg_context *dg_context_create(dg_model *m, int n_ctx, int n_threads, int max_canvases, char *err, size_t err_len);
 void dg_context_destroy(dg_context *c);
