@@ -10,6 +10,7 @@
 
 #include "cpu.h"
 #include "engine.h"
+#include "gguf_names.h"
 
 size_t dg_graph_nodes(const dg_model *m) {
     return 1024 + (size_t)m->hp.n_layer * (128 + 4 * (size_t)m->hp.n_expert_used) + (size_t)m->lora_graph_nodes;
@@ -62,19 +63,22 @@ static bool is_weight(const struct ggml_tensor *t) {
     return t->buffer && ggml_backend_buffer_get_usage(t->buffer) == GGML_BACKEND_BUFFER_USAGE_WEIGHTS;
 }
 
+static bool starts_with(const char *s, const char *prefix) { return strncmp(s, prefix, strlen(prefix)) == 0; }
+
 // The class of a node by the weight it reads (activation quantization nodes carry their weight's name).
 static dg_profile_class profile_class(const struct ggml_tensor *node, int64_t n_vocab) {
     const char *w = NULL;
     for (int i = 0; i < GGML_MAX_SRC && node->src[i] && !w; i++)
         if (is_weight(node->src[i]) && ggml_nelements(node->src[i]) > node->src[i]->ne[0]) w = node->src[i]->name;
-    const bool quantizes = !w && strstr(node->name, ".weight");  // only the output product quantizes for token_embd
+    // only the output product quantizes for token_embd
+    const bool quantizes = !w && strstr(node->name, DG_WEIGHT_SUFFIX);
     if (quantizes) w = node->name;
     if (w && node->op != GGML_OP_GET_ROWS) {
-        if (strstr(w, "_exps")) return DG_PROFILE_EXPERTS;
-        if (strstr(w, "self_cond")) return DG_PROFILE_SELF_COND;
-        if (!strncmp(w, "token_embd", 10) || !strncmp(w, "output.", 7))
+        if (strstr(w, DG_EXPERTS_MARK)) return DG_PROFILE_EXPERTS;
+        if (strstr(w, DG_SELF_COND_PREFIX)) return DG_PROFILE_SELF_COND;
+        if (starts_with(w, DG_STEM_TOKEN_EMBD) || starts_with(w, DG_STEM_OUTPUT "."))
             return quantizes || node->ne[0] == n_vocab ? DG_PROFILE_LM_HEAD : DG_PROFILE_SELF_COND;  // soft embedding
-        if (!strncmp(w, "blk.", 4)) return DG_PROFILE_DENSE;
+        if (starts_with(w, DG_BLOCK_PREFIX)) return DG_PROFILE_DENSE;
     }
     if (node->ne[0] == n_vocab) return node->op == GGML_OP_SOFT_MAX ? DG_PROFILE_SELF_COND : DG_PROFILE_LM_HEAD;
     if (node->op == GGML_OP_MUL_MAT || node->op == GGML_OP_SOFT_MAX) return DG_PROFILE_ATTENTION;
