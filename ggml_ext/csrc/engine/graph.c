@@ -97,7 +97,7 @@ static struct ggml_tensor *build_moe(struct ggml_context *ctx, const dg_model *m
         gate = expert_matmul(ctx, L, pass, DG_LORA_GATE_EXPS, L->gate_exps, xe, idx, fast);
         up = expert_matmul(ctx, L, pass, DG_LORA_UP_EXPS, L->up_exps, xe, idx, fast);
     }
-    struct ggml_tensor *act = dg_build_gelu_mul(ctx, gate, up, fast);                         // [FFe, K, T]
+    struct ggml_tensor *act = dg_build_gelu_mul(ctx, gate, up, fast);                       // [FFe, K, T]
     struct ggml_tensor *y = expert_matmul(ctx, L, pass, DG_LORA_DOWN_EXPS, L->down_exps, act, idx, fast);  // [H, K, T]
     y = ggml_mul(ctx, y, w);
 
