@@ -27,15 +27,28 @@ def llama_cpp_paths() -> tuple[str, str]:
 include_dir, lib_dir = llama_cpp_paths()
 common_args = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden", "-pthread"]
 
+ggml_link = {
+    "library_dirs": [lib_dir],
+    "libraries": ["ggml", "ggml-base", "ggml-cpu"],
+    "extra_compile_args": common_args,
+    "extra_link_args": ["-Wl,-rpath,$ORIGIN/../llama_cpp/lib", "-pthread", "-lm"],
+}
 # The forward pass on ggml: GGUF load, encoder prefill, decoder step with self-conditioning.
 engine = Extension(
     "dgemma_engine._engine",
     sources=sorted(glob.glob("ggml_ext/csrc/engine/*.c")),
     include_dirs=[include_dir, "ggml_ext/csrc/engine"],
-    library_dirs=[lib_dir],
-    libraries=["ggml", "ggml-base", "ggml-cpu"],
-    extra_compile_args=common_args,
-    extra_link_args=["-Wl,-rpath,$ORIGIN/../llama_cpp/lib", "-pthread", "-lm"],
+    **ggml_link,
+)
+# The engine's test hooks (kernel checks, the matmul bench) with the kernel sources they exercise: loaded by tests/ and
+# bench/ only, so the product library exports none of them.
+HOOKED_KERNELS = ["cpu", "error", "ops", "f32_matmul", "qkernels", "qkernels_avx2", "expert_matmul", "soft_embedding"]
+engine_tests = Extension(
+    "dgemma_engine._engine_tests",
+    sources=sorted(glob.glob("ggml_ext/csrc/engine_tests/*.c"))
+    + [f"ggml_ext/csrc/engine/{name}.c" for name in HOOKED_KERNELS],
+    include_dirs=[include_dir, "ggml_ext/csrc/engine", "ggml_ext/csrc/engine_tests"],
+    **ggml_link,
 )
 # The entropy-bound sampler and torch-compatible RNG: plain C over a float logits buffer, no ggml needed.
 sampler = Extension(
@@ -57,4 +70,4 @@ kquant = Extension(
     extra_link_args=["-Wl,-rpath,$ORIGIN/../llama_cpp/lib", "-pthread"],
 )
 
-setup(ext_modules=[ext for ext in (engine, sampler, kquant) if ext.sources])
+setup(ext_modules=[ext for ext in (engine, engine_tests, sampler, kquant) if ext.sources])

@@ -6,8 +6,9 @@
 For each weight shape and type: ggml's mul_mat_id (experts) or mul_mat (dense) on random weights quantized by ggml,
 the same op with the weights in ggml's CPU repack buffer (interleaved for its tiled kernels, as llama.cpp loads them;
 Q4_0, Q4_K, IQ4_NL),
-the engine's kernels on the same shape (dgemma_engine's dg_bench_mul_mat with engine_op set; DGEMMA_QKERNELS picks
-the path), and numpy's F32 matmul on the same shapes in the same run (per expert: [rows, kd] × [kd, m]).
+the engine's kernels on the same shape (dg_bench_mul_mat of the engine's test library, `_engine_tests`, with engine_op
+set; DGEMMA_QKERNELS picks the path), and numpy's F32 matmul on the same shapes in the same run (per expert:
+[rows, kd] × [kd, m]).
 Expert shapes keep the real rows per expert (256 tokens × top-k / experts) with fewer experts, so that the weights
 still exceed the last-level cache as in the model. Rates are GFLOP/s of 2·kd·m per (token, slot), best of --reps.
 The machine is named in the report (CPU model and the SIMD flags that matter here).
@@ -49,8 +50,8 @@ SHAPES = {
 
 
 def engine_bench():
-    from dgemma_engine.model import _engine
-    fn = _engine().dg_bench_mul_mat
+    from dgemma_engine._lib import load_library
+    fn = load_library("engine_tests").dg_bench_mul_mat
     fn.restype = ctypes.c_double
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.c_char_p,

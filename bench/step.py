@@ -96,9 +96,9 @@ def tensor_types(path: Path) -> dict[str, int]:
 
 def microbench(products: list[Product], types: dict[str, int], threads: int) -> tuple[dict, dict]:
     """Wall and CPU seconds ggml's own matmul needs for each category's products (each distinct shape/type once)."""
-    from dgemma_engine.model import _engine
+    from dgemma_engine._lib import load_library
 
-    lib = _engine()
+    lib = load_library("engine_tests")  # the engine's test hooks (ggml_ext/csrc/engine_tests)
     fn = lib.dg_bench_mul_mat
     fn.restype = ctypes.c_double
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,

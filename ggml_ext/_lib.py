@@ -1,6 +1,7 @@
 """Locate and load dgemma's compiled C libraries with ctypes.
 
-The engine links against ggml's shared libraries inside `llama_cpp/lib`. Importing `llama_cpp` first makes those exact
+The engine (and its test hooks, `_engine_tests`, which only tests/ and bench/ load) links against ggml's shared
+libraries inside `llama_cpp/lib`. Importing `llama_cpp` first makes those exact
 libraries resident (matched by SONAME), so this process holds one ggml whatever the install layout (editable or not).
 """
 import ctypes
@@ -14,10 +15,11 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 @functools.cache
 def load_library(name: str) -> ctypes.CDLL:
     """Load `dgemma_engine._<name>` (built by setup.py) as a ctypes library."""
-    if name == "engine":
+    if name in ("engine", "engine_tests"):
         import llama_cpp  # noqa: F401  (loads llama_cpp/lib/libggml*.so: the one ggml of this process)
 
-    matches = sorted(glob.glob(os.path.join(_HERE, f"_{name}*.so")))
+    # `_engine.cpython-311-….so` or `_engine.so`, never `_engine_tests….so`
+    matches = sorted(glob.glob(os.path.join(_HERE, f"_{name}.*so")))
     if not matches:
         raise ImportError(f"dgemma's native library '_{name}' is not built; reinstall with `pip install -e .`")
     return ctypes.CDLL(matches[0])

@@ -11,7 +11,7 @@ import platform
 
 import pytest
 
-from dgemma_engine.model import _engine
+from dgemma_engine._lib import load_library
 
 
 AVX2, AVX512 = 1, 2
@@ -20,7 +20,7 @@ UNSUPPORTED = -2
 
 def check(kd: int, n: int, n_expert: int, n_used: int, t: int, x1: int, threads: int, isa: int = AVX512,
           seed: int = 1) -> float:
-    fn = _engine().dg_check_expert_matmul
+    fn = load_library("engine_tests").dg_check_expert_matmul
     fn.restype = ctypes.c_double
     fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
                    ctypes.c_int, ctypes.c_uint64, ctypes.c_int]

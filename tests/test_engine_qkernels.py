@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dgemma_engine.model import Context, Model, _engine
+from dgemma_engine._lib import load_library
+from dgemma_engine.model import Context, Model
 
 SCALAR, AVX2 = 1, 2
 UNSUPPORTED_CPU, NO_KERNEL = -2, -3
@@ -25,7 +26,7 @@ BLOCK = {"q8_0": 32, "q5_0": 32, "q4_K": 256, "q6_K": 256, "iq4_nl": 32, "iq4_xs
 
 def check(type_name: str, kd: int, n: int, n_expert: int, n_used: int, t: int, x1: int = 1, rows_per_expert: int = 0,
           threads: int = 2, path: int = AVX2, seed: int = 1, type_id: int | None = None) -> float:
-    fn = _engine().dg_check_qmatmul
+    fn = load_library("engine_tests").dg_check_qmatmul
     fn.restype = ctypes.c_double
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_int]

@@ -13,14 +13,14 @@ import platform
 import numpy as np
 import pytest
 
-from dgemma_engine.model import _engine
+from dgemma_engine._lib import load_library
 
 UNSUPPORTED = -2
 
 
 def check(kd: int, n: int, t: int, threads: int, x_stride: int | None = None, seed: int = 1,
           out: np.ndarray | None = None) -> float:
-    fn = _engine().dg_check_f32_matmul
+    fn = load_library("engine_tests").dg_check_f32_matmul
     fn.restype = ctypes.c_double
     fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64,
                    ctypes.c_void_p]

@@ -5,7 +5,7 @@ import ctypes
 
 import pytest
 
-from dgemma_engine.model import _engine  # noqa: F401  (binds the engine's C API)
+from dgemma_engine._lib import load_library
 
 GGML = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23,
         "BF16": 30}
@@ -13,7 +13,7 @@ ISAS = {"portable": 0, "avx2": 1}
 
 
 def lib():
-    engine = _engine()
+    engine = load_library("engine_tests")  # the test hooks (ggml_ext/csrc/engine_tests)
     engine.dg_check_soft_embedding.restype = ctypes.c_double
     engine.dg_check_soft_embedding.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                                ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_int,

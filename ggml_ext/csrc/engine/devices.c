@@ -1,7 +1,7 @@
 // Devices and per-layer weight placement (docs/engine.md#devices).
 //
 // Devices come from ggml's backend registry: every GPU (or integrated GPU) device an accelerated llama-cpp-python
-// build registers, plus the RPC devices added with dg_rpc_add_server. Placement follows llama.cpp's -ngl (Ollama's
+// build registers, plus the RPC devices added with dg_rpc_add. Placement follows llama.cpp's -ngl (Ollama's
 // num_gpu): of the n_layer + 1 units (the layers, then the output: final norm, LM head, logits, self-conditioning),
 // the last num_gpu go to the accelerators, spread over them in equal runs in registry order. num_cpu_moe keeps the
 // routed experts of the first num_cpu_moe layers on the CPU (llama.cpp's --n-cpu-moe).
@@ -20,38 +20,38 @@ static bool is_accelerator(ggml_backend_dev_t dev) {
 }
 
 // Whether this llama-cpp-python's ggml has the RPC backend (a build with -DGGML_RPC=on).
-DG_API int dg_rpc_available(void) { return ggml_backend_reg_by_name("RPC") != NULL; }
+bool dg_rpc_has_backend(void) { return ggml_backend_reg_by_name("RPC") != NULL; }
 
 // ggml's RPC backend is looked up at run time: a stock llama-cpp-python build has none (docs/engine.md#rpc).
-DG_API int dg_rpc_add_server(const char *endpoint, char *err, size_t err_len) {
+bool dg_rpc_add(const char *endpoint, char *err, size_t err_len) {
     ggml_backend_reg_t rpc = ggml_backend_reg_by_name("RPC");
     if (!rpc) {
         dg_set_err(err, err_len, "this llama-cpp-python has no RPC backend: reinstall it with CMAKE_ARGS=\"-DGGML_RPC=on\" "
                                  "pip install --force-reinstall --no-binary llama-cpp-python llama-cpp-python==0.3.36");
-        return -1;
+        return false;
     }
     typedef ggml_backend_reg_t (*add_server_fn)(const char *);
     add_server_fn add = (add_server_fn)ggml_backend_reg_get_proc_address(rpc, "ggml_backend_rpc_add_server");
     if (!add) {
         dg_set_err(err, err_len, "ggml's RPC backend has no ggml_backend_rpc_add_server");
-        return -1;
+        return false;
     }
     char name[300];  // already added (ggml names its registry "RPC[endpoint]"): its devices are registered
     snprintf(name, sizeof(name), "RPC[%s]", endpoint);
     for (size_t i = 0; i < ggml_backend_reg_count(); i++) {
-        if (strcmp(ggml_backend_reg_name(ggml_backend_reg_get(i)), name) == 0) return 0;
+        if (strcmp(ggml_backend_reg_name(ggml_backend_reg_get(i)), name) == 0) return true;
     }
     ggml_backend_reg_t reg = add(endpoint);
     if (!reg || ggml_backend_reg_dev_count(reg) == 0) {
         dg_set_err(err, err_len, "the RPC server at %s offers no device", endpoint);
-        return -1;
+        return false;
     }
     ggml_backend_register(reg);
-    return 0;
+    return true;
 }
 
 // Serve this process's CPU as a ggml RPC device at endpoint ("host:port"); returns only if the server cannot start.
-DG_API int dg_rpc_start_server(const char *endpoint, int n_threads, char *err, size_t err_len) {
+void dg_rpc_serve(const char *endpoint, int n_threads, char *err, size_t err_len) {
     ggml_backend_reg_t rpc = ggml_backend_reg_by_name("RPC");
     typedef void (*start_server_fn)(const char *, const char *, size_t, size_t, ggml_backend_dev_t *);
     start_server_fn start = rpc ? (start_server_fn)ggml_backend_reg_get_proc_address(rpc, "ggml_backend_rpc_start_server")
@@ -60,15 +60,14 @@ DG_API int dg_rpc_start_server(const char *endpoint, int n_threads, char *err, s
     if (!start || !cpu) {
         dg_set_err(err, err_len, "this llama-cpp-python has no RPC backend: reinstall it with CMAKE_ARGS=\"-DGGML_RPC=on\" "
                                  "pip install --force-reinstall --no-binary llama-cpp-python llama-cpp-python==0.3.36");
-        return -1;
+        return;
     }
     start(endpoint, NULL, n_threads > 0 ? (size_t)n_threads : 1, 1, &cpu);
     dg_set_err(err, err_len, "the RPC server at %s could not start (port in use?)", endpoint);
-    return -1;
 }
 
 // The devices in ggml's registry, one "name\tdescription\ttype\tfree\ttotal" line each (for logs and tests).
-DG_API int dg_devices_describe(char *out, size_t out_len) {
+int dg_devices_list(char *out, size_t out_len) {
     size_t used = 0;
     if (out_len) out[0] = 0;
     for (size_t i = 0; i < ggml_backend_dev_count(); i++) {
@@ -301,29 +300,4 @@ bool dg_experts_fast(const dg_model *m, int il) { return !m->place.standard_ops 
 
 struct ggml_tensor *dg_lm_head(const dg_model *m) {
     return m->place.lm_head ? m->place.lm_head : m->output ? m->output : m->tok_embd;
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// exported: placement and its report
-
-DG_API int dg_model_offload(dg_model *m, int num_gpu, int num_cpu_moe, char *err, size_t err_len) {
-    if (err && err_len) err[0] = 0;
-    return dg_model_place(m, num_gpu, num_cpu_moe, err, err_len) ? 0 : -1;
-}
-
-// Device index (0 = CPU) of a unit (0..n_layer; n_layer = output) or, with experts set, of layer il's experts.
-DG_API int dg_model_unit_device(const dg_model *m, int unit, int experts) {
-    if (unit < 0 || unit > m->hp.n_layer) return -1;
-    if (experts) return unit < m->hp.n_layer ? m->place.expert_device[unit] : -1;
-    return m->place.unit_device[unit];
-}
-
-DG_API int dg_model_n_devices(const dg_model *m) { return m->place.n_devices; }
-
-DG_API const char *dg_model_device_name(const dg_model *m, int d) {
-    return d >= 0 && d < m->place.n_devices ? ggml_backend_dev_name(m->place.devices[d]) : NULL;
-}
-
-DG_API size_t dg_model_device_weight_bytes(const dg_model *m, int d) {
-    return d >= 0 && d < m->place.n_devices ? m->place.weight_bytes[d] : 0;
 }

@@ -157,6 +157,7 @@ typedef struct dg_context {
     // decoder graphs of the current geometry, [self-conditioning][output buffer]
     dg_step_graph steps[2][2];
     int steps_n_past;
+    int steps_swa_base;
     int steps_n_rows;
     int steps_n_canvases;
     double *profile;  // while a profiled step runs: seconds per class (dg_profile_class; the eval callback adds to it)
@@ -174,43 +175,44 @@ typedef enum {
     DG_PROFILE_COUNT
 } dg_profile_class;
 
+// Internal interfaces, by file, bottom up (cpu.h and qkernels.h have their own headers). api.c holds every exported
+// function and calls into the others; no file calls back into one that calls it (tests/test_c_layout.py).
+
+// error.c: the one way errors are reported (into the caller's buffer, truncated)
+void dg_set_err(char *err, size_t err_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+// gguf_check.c: validate the raw bytes of a GGUF before ggml parses it.
+bool dg_gguf_check(const uint8_t *data, size_t size, char *err, size_t err_len);
+
 // model.c
 // check_only: parse and bind every tensor as a load does, but allocate nothing (what `create` runs on a file).
 dg_model *dg_model_load_impl(const char *path, int n_threads, bool check_only, char *err, size_t err_len);
 // the vocabulary-contiguous copy of the embedding for self-conditioning through ggml's matmul (see model.c)
 bool dg_make_transposed_embedding(dg_model *m, char *err, size_t err_len);
+// frees what the loader made; the adapters (dg_lora_free) and the placement (dg_placement_free) are freed first
 void dg_model_free_impl(dg_model *m);
 
-// lora.c: GGUF LoRA adapters (docs/gguf.md#lora-adapters), loaded by dg_model_load_adapters before placement
+// lora.c: GGUF LoRA adapters (docs/gguf.md#lora-adapters), loaded before placement.
+// 0 on success; else 1 + the index of the adapter at fault (n + 1 when none is), err set.
+int dg_lora_load(dg_model *m, const char *const *paths, const float *scales, int n, char *err, size_t err_len);
+// every check loading the adapter at `path` onto m makes, allocating nothing
+bool dg_lora_check(dg_model *m, const char *path, char *err, size_t err_len);
 void dg_lora_free(dg_model *m);
 
-// gguf_check.c: validate the raw bytes of a GGUF before ggml parses it.
-bool dg_gguf_check(const uint8_t *data, size_t size, char *err, size_t err_len);
+// devices.c: ggml's device registry, RPC servers, per-layer weight placement
+bool dg_rpc_has_backend(void);
+bool dg_rpc_add(const char *endpoint, char *err, size_t err_len);
+// serves this process's CPU; returns only when the server cannot start (err set)
+void dg_rpc_serve(const char *endpoint, int n_threads, char *err, size_t err_len);
+// one "name\tdescription\ttype\tfree\ttotal" line per device in ggml's registry; returns the device count
+int dg_devices_list(char *out, size_t out_len);
+bool dg_model_place(dg_model *m, int num_gpu, int num_cpu_moe, char *err, size_t err_len);
+void dg_placement_free(dg_placement *p);
+// the fast CPU-only custom ops (fused GELU, tiled experts) may be used for this unit's nodes / its experts
+bool dg_unit_fast(const dg_model *m, int unit);
+bool dg_experts_fast(const dg_model *m, int il);
+struct ggml_tensor *dg_lm_head(const dg_model *m);
 
-// graph.c
-struct ggml_tensor *dg_build_layer(struct ggml_context *ctx, struct ggml_cgraph *gf, const dg_model *m,
-                                   const dg_context *c, int il, struct ggml_tensor *x, struct ggml_tensor *pos,
-                                   struct ggml_tensor *mask, int slot0, dg_attn_span span, bool encoder,
-                                   bool kv_only);
-struct ggml_tensor *dg_build_rmsw(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x,
-                                  struct ggml_tensor *w);
-struct ggml_tensor *dg_build_softcap_into(struct ggml_context *ctx, struct ggml_tensor *x, float cap,
-                                          struct ggml_tensor *dst, bool fast);
-// the self-conditioning MLP on x [H, n] with its adapters' deltas; on the CPU with the fused GELU custom op, else
-// the same arithmetic from standard ops (any backend)
-struct ggml_tensor *dg_build_self_cond_mlp(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x);
-
-// expert_matmul.c: ggml_mul_mat_id, with a register-tiled custom op for F32 weights on x86 (AVX2 / AVX-512)
-struct ggml_tensor *dg_build_expert_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
-                                           struct ggml_tensor *ids);
-// the same with a given instruction set (0 none = ggml's op, 1 AVX2, 2 AVX-512), and the best this CPU has
-struct ggml_tensor *dg_build_expert_matmul_isa(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
-                                               struct ggml_tensor *ids, int isa);
-int dg_expert_matmul_isa(void);
-// qkernels.c: ggml_mul_mat(w, x) of a weight; fast (its node runs on the CPU): through the engine's quantized kernels
-// where they cover the weight's type, F32 weights through f32_matmul.c
-struct ggml_tensor *dg_build_weight_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
-                                           bool fast);
 // f32_matmul.c: ggml_mul_mat(w, x) for a 2-D F32 weight and F32 x [K, T] as a panel-packed custom op (AVX2 + FMA);
 // NULL where it does not apply (then ggml's own matmul)
 struct ggml_tensor *dg_build_f32_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x);
@@ -222,17 +224,69 @@ struct ggml_tensor *dg_build_soft_embedding(struct ggml_context *ctx, struct ggm
 int dg_soft_embedding_isa(void);
 // its row dequantizer for `type` (NULL for F32: a copy); bit-identical to ggml's to_float
 ggml_to_float_t dg_row_dequantizer(enum ggml_type type, bool avx2);
-// devices.c: ggml's device registry, RPC servers, per-layer weight placement
-bool dg_model_place(dg_model *m, int num_gpu, int num_cpu_moe, char *err, size_t err_len);
-void dg_placement_free(dg_placement *p);
-// the fast CPU-only custom ops (fused GELU, tiled experts) may be used for this unit's nodes / its experts
-bool dg_unit_fast(const dg_model *m, int unit);
-bool dg_experts_fast(const dg_model *m, int il);
-struct ggml_tensor *dg_lm_head(const dg_model *m);
 
-// bench.c: what the test hooks share: seeded random numbers (splitmix64; floats in [-1, 1)) and max |Δ| / max |want|
-uint64_t dg_next_rand(uint64_t *s);
-float dg_rand_float(uint64_t *s);
-double dg_max_rel_diff(const float *got, const float *want, int64_t n);
+// expert_matmul.c: ggml_mul_mat_id, with a register-tiled custom op for F32 weights on x86 (AVX2 / AVX-512)
+struct ggml_tensor *dg_build_expert_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
+                                           struct ggml_tensor *ids);
+// the same with a given instruction set (0 none = ggml's op, 1 AVX2, 2 AVX-512), and the best this CPU has
+struct ggml_tensor *dg_build_expert_matmul_isa(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
+                                               struct ggml_tensor *ids, int isa);
+int dg_expert_matmul_isa(void);
 
-void dg_set_err(char *err, size_t err_len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+// ops.c: ggml_mul_mat(w, x) of a weight; fast (its node runs on the CPU): through the engine's quantized kernels
+// (qkernels.c) where they cover the weight's type, F32 weights through f32_matmul.c
+struct ggml_tensor *dg_build_weight_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
+                                           bool fast);
+// gelu_tanh(gate)·up; fast: one CPU pass (custom op), else the same f32 arithmetic from standard ops (any backend)
+struct ggml_tensor *dg_build_gelu_mul(struct ggml_context *ctx, struct ggml_tensor *gate, struct ggml_tensor *up,
+                                      bool fast);
+// writes softcap(x) into dst; fast with dst in host memory: one CPU pass, else ggml's ops and a copy
+struct ggml_tensor *dg_build_softcap_into(struct ggml_context *ctx, struct ggml_tensor *x, float cap,
+                                          struct ggml_tensor *dst, bool fast);
+
+// graph.c
+// the scaled token embeddings of ids
+struct ggml_tensor *dg_build_embed(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *ids);
+struct ggml_tensor *dg_build_layer(struct ggml_context *ctx, struct ggml_cgraph *gf, const dg_model *m,
+                                   const dg_context *c, int il, struct ggml_tensor *x, struct ggml_tensor *pos,
+                                   struct ggml_tensor *mask, int slot0, dg_attn_span span, bool encoder,
+                                   bool kv_only);
+struct ggml_tensor *dg_build_rmsw(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x,
+                                  struct ggml_tensor *w);
+// the self-conditioning MLP on x [H, n] with its adapters' deltas; on the CPU with the fused GELU custom op, else
+// the same arithmetic from standard ops (any backend)
+struct ggml_tensor *dg_build_self_cond_mlp(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x);
+
+// kv_cache.c: the K/V ring
+int dg_encode_chunk_rows(const dg_model *m);  // rows per encoder pass
+int dg_kv_sliding_slots(const dg_model *m, int max_canvases, int n_slots);  // slots of a sliding layer's cache
+int dg_kv_slot(const dg_context *c, int il, int pos);  // the cache slot of position pos in layer il
+// room in the sliding caches for n rows after n_past (moves the still-visible tail to the front: swa_base changes)
+bool dg_kv_make_room(dg_context *c, int n, char *err, size_t err_len);
+// the slots that n_new rows after n_past attend to in layer il, padded for ggml's GEMM
+dg_attn_span dg_kv_span(const dg_context *c, int il, int n_past, int n_new);
+void dg_kv_clear_tail(dg_context *c, int n_past, int n_new);  // zero the trailing padding slots of those spans
+
+// context.c: a context's lifecycle, placing and running its graphs, profiling
+dg_context *dg_context_create(dg_model *m, int n_ctx, int n_threads, int max_canvases, char *err, size_t err_len);
+void dg_context_destroy(dg_context *c);
+void dg_context_clear(dg_context *c);  // forget every cached token and logits
+size_t dg_graph_nodes(const dg_model *m);
+struct ggml_context *dg_new_graph_ctx(const dg_model *m);
+bool dg_place_graph(dg_context *c, struct ggml_context *gctx, struct ggml_cgraph *gf, char *err, size_t err_len);
+// profile: NULL, or DG_PROFILE_COUNT seconds to add each node's time to (node by node, slower)
+bool dg_compute(dg_context *c, struct ggml_cgraph *gf, double *profile, char *err, size_t err_len);
+bool dg_ids_ok(const dg_model *m, const int32_t *ids, int n, char *err, size_t err_len);
+void dg_free_step_graphs(dg_context *c);
+
+// encoder.c: encode n tokens after the cached ones (0, or -1 with err set)
+int dg_encode(dg_context *c, const int32_t *ids, int n, char *err, size_t err_len);
+
+// decoder.c: the decoder step and the logits buffers it reads and writes
+float *dg_step(dg_context *c, const int32_t *ids, int n, int n_canvases, int use_self_cond, float inv_temp,
+               double *profile, char *err, size_t err_len);
+int dg_keep_canvases(dg_context *c, const uint8_t *keep, int n_canvases, char *err, size_t err_len);
+int dg_set_self_cond(dg_context *c, const float *data, int rows, char *err, size_t err_len);
+float *dg_last_logits(const dg_context *c);
+// out [n, H] = probs [n, V] · E through the step's soft-embedding graph (no embedding scale)
+int dg_run_soft_embedding(dg_context *c, const float *probs, int n, float *out, char *err, size_t err_len);

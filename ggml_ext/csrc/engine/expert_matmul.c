@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu.h"
 #include "engine.h"
 #include "qkernels.h"
 
@@ -119,10 +120,8 @@ DEFINE_TILE_KERNEL(avx2, "avx2,fma", 3, __m256, 8, _mm256_setzero_ps, _mm256_loa
 typedef enum { ISA_NONE, ISA_AVX2, ISA_AVX512 } cpu_isa;
 
 static cpu_isa detect_isa(void) {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
-    return ISA_NONE;
+    if (dg_cpu_has_avx512f()) return ISA_AVX512;
+    return dg_cpu_has_avx2_fma() ? ISA_AVX2 : ISA_NONE;
 }
 #else
 typedef enum { ISA_NONE } cpu_isa;

@@ -8,12 +8,12 @@
 // FMAs, with no horizontal sums: ~80 GFLOP/s on the same shapes.
 // Each output is one FMA chain over k in order, so a result does not depend on the tiling or the thread count. The
 // order differs from ggml's lane-wise sums (tests/test_f32_matmul.py bounds the difference).
-// Without AVX2, FMA and F16C (the quantized kernels' CPU check) the graph keeps ggml's own matmul.
+// Without AVX2, FMA and F16C (the quantized kernels' CPU check, cpu.c) the graph keeps ggml's own matmul.
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu.h"
 #include "engine.h"
-#include "qkernels.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -129,7 +129,7 @@ struct ggml_tensor *dg_build_f32_matmul(struct ggml_context *ctx, struct ggml_te
     const bool fits = w->type == GGML_TYPE_F32 && x->type == GGML_TYPE_F32 && w->ne[0] == x->ne[0] &&
                       w->ne[2] == 1 && w->ne[3] == 1 && x->ne[2] == 1 && x->ne[3] == 1 && w->nb[0] == sizeof(float) &&
                       x->nb[0] == sizeof(float) && w->nb[1] % sizeof(float) == 0;
-    if (!fits || !dg_qk_path_available(DG_QK_AVX2)) return NULL;  // the quantized kernels' CPU check
+    if (!fits || !dg_cpu_has_avx2_fma_f16c()) return NULL;  // the quantized kernels' CPU check
     struct ggml_tensor *args[2] = {w, x};
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, f32_matmul_op, GGML_N_TASKS_MAX,
                           NULL);

@@ -17,14 +17,6 @@ enum { GGUF_T_U8, GGUF_T_I8, GGUF_T_U16, GGUF_T_I16, GGUF_T_U32, GGUF_T_I32, GGU
 #define MAX_NAME_BYTES 63          // ggml tensor names must fit GGML_MAX_NAME with the terminator
 #define MAX_KEY_BYTES (1u << 16)
 
-void dg_set_err(char *err, size_t err_len, const char *fmt, ...) {
-    if (err == NULL || err_len == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, err_len, fmt, ap);
-    va_end(ap);
-}
-
 typedef struct cursor {
     const uint8_t *data;
     size_t size;

@@ -20,18 +20,18 @@
 #include <unistd.h>
 
 #include "engine.h"
+#include "gguf_names.h"
 
-#define BASE_ARCH "diffusion-gemma"
 enum { MAX_RANK = 1 << 16, SCOPES = 3 };  // scope 0: both passes, 1: encoder only ("enc."), 2: decoder only ("dec.")
 
 static const char *const TARGET_NAMES[DG_LORA_TARGETS] = {
-    "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
-    "ffn_down.weight", "ffn_gate_inp.weight", "ffn_gate_up_exps.weight", "ffn_gate_exps.weight",
-    "ffn_up_exps.weight", "ffn_down_exps.weight",
+    DG_TENSOR_ATTN_Q, DG_TENSOR_ATTN_K, DG_TENSOR_ATTN_V, DG_TENSOR_ATTN_OUTPUT, DG_TENSOR_FFN_GATE, DG_TENSOR_FFN_UP,
+    DG_TENSOR_FFN_DOWN, DG_TENSOR_ROUTER, DG_TENSOR_GATE_UP_EXPS, DG_TENSOR_GATE_EXPS_SPLIT, DG_TENSOR_UP_EXPS_SPLIT,
+    DG_TENSOR_DOWN_EXPS,
 };
-static const char *const SCOPE_PREFIX[SCOPES] = {"", "enc.", "dec."};
+static const char *const SCOPE_PREFIX[SCOPES] = {"", DG_LORA_PREFIX_ENCODER, DG_LORA_PREFIX_DECODER};
 static const char *const SELF_COND_NAMES[DG_LORA_TARGETS] = {
-    [DG_LORA_GATE] = "self_cond_gate.weight", [DG_LORA_UP] = "self_cond_up.weight", [DG_LORA_DOWN] = "self_cond_down.weight",
+    [DG_LORA_GATE] = DG_TENSOR_SC_GATE, [DG_LORA_UP] = DG_TENSOR_SC_UP, [DG_LORA_DOWN] = DG_TENSOR_SC_DOWN,
 };
 // Units: layers 0..n_layer-1, then unit n_layer = the self-conditioning MLP (targets GATE, UP, DOWN).
 
@@ -162,7 +162,7 @@ static bool key_string_is(const lora_file *f, const char *key, const char *want,
     }
     const char *v = gguf_get_val_str(f->gguf, id);
     if (strcmp(v, want) != 0) {
-        const bool arch = strcmp(key, "general.architecture") == 0;
+        const bool arch = strcmp(key, DG_KEY_ARCHITECTURE) == 0;
         dg_set_err(err, err_len, "%s: %s is '%.64s', expected '%s'",
                    arch ? "the adapter was made for another architecture" : "not a LoRA adapter", key, v, want);
         return false;
@@ -171,20 +171,20 @@ static bool key_string_is(const lora_file *f, const char *key, const char *want,
 }
 
 static bool read_metadata(lora_file *f, char *err, size_t err_len) {
-    if (!key_string_is(f, "general.type", "adapter", err, err_len) ||
-        !key_string_is(f, "adapter.type", "lora", err, err_len) ||
-        !key_string_is(f, "general.architecture", BASE_ARCH, err, err_len)) {
+    if (!key_string_is(f, DG_KEY_GENERAL_TYPE, "adapter", err, err_len) ||
+        !key_string_is(f, DG_KEY_ADAPTER_TYPE, "lora", err, err_len) ||
+        !key_string_is(f, DG_KEY_ARCHITECTURE, DG_GGUF_ARCH, err, err_len)) {
         return false;
     }
-    const int64_t id = gguf_find_key(f->gguf, "adapter.lora.alpha");
+    const int64_t id = gguf_find_key(f->gguf, DG_KEY_LORA_ALPHA);
     const enum gguf_type t = id < 0 ? GGUF_TYPE_COUNT : gguf_get_kv_type(f->gguf, id);
     if (t != GGUF_TYPE_FLOAT32 && t != GGUF_TYPE_FLOAT64) {
-        dg_set_err(err, err_len, "the adapter has no adapter.lora.alpha float");
+        dg_set_err(err, err_len, "the adapter has no " DG_KEY_LORA_ALPHA " float");
         return false;
     }
     const double alpha = t == GGUF_TYPE_FLOAT32 ? gguf_get_val_f32(f->gguf, id) : gguf_get_val_f64(f->gguf, id);
     if (!(alpha > 0.0 && alpha <= 1e6)) {  // also rejects NaN
-        dg_set_err(err, err_len, "adapter.lora.alpha = %g is out of range (0, 1e6]", alpha);
+        dg_set_err(err, err_len, DG_KEY_LORA_ALPHA " = %g is out of range (0, 1e6]", alpha);
         return false;
     }
     f->alpha = (float)alpha;
@@ -192,8 +192,9 @@ static bool read_metadata(lora_file *f, char *err, size_t err_len) {
 }
 
 static bool strip_factor_suffix(const char *name, size_t *len, bool *is_b) {
-    const size_t n = strlen(name), slen = strlen(".lora_a");
-    if (n <= slen || (strcmp(name + n - slen, ".lora_a") != 0 && strcmp(name + n - slen, ".lora_b") != 0)) return false;
+    const size_t n = strlen(name), slen = strlen(DG_LORA_SUFFIX_A);  // both suffixes have this length
+    if (n <= slen || (strcmp(name + n - slen, DG_LORA_SUFFIX_A) != 0 && strcmp(name + n - slen, DG_LORA_SUFFIX_B) != 0))
+        return false;
     *is_b = name[n - 1] == 'b';
     *len = n - slen;
     return true;
@@ -218,12 +219,12 @@ static bool parse_name(const char *name, int n_layer, int *il, int *target, int 
         }
     }
     size_t len;
-    if (strncmp(name, "self_cond_", 10) == 0) {
+    if (strncmp(name, DG_SELF_COND_PREFIX, strlen(DG_SELF_COND_PREFIX)) == 0) {
         *il = n_layer;
         return strip_factor_suffix(name, &len, is_b) && (*target = target_named(SELF_COND_NAMES, name, len)) >= 0;
     }
-    if (strncmp(name, "blk.", 4) != 0) return false;
-    name += 4;
+    if (strncmp(name, DG_BLOCK_PREFIX, strlen(DG_BLOCK_PREFIX)) != 0) return false;
+    name += strlen(DG_BLOCK_PREFIX);
     int layer = 0, digits = 0;
     while (*name >= '0' && *name <= '9' && digits < 4) layer = layer * 10 + (*name++ - '0'), digits++;
     if (digits == 0 || *name != '.' || layer >= n_layer || (digits > 1 && name[-digits] == '0')) return false;
@@ -293,7 +294,7 @@ static bool check_pairs(const dg_model *m, const lora_file *f, char *err, size_t
                 const lora_pair *both = pair_at(f, il, target, 0);
                 char name[96];
                 if (il == m->hp.n_layer) snprintf(name, sizeof(name), "%s%s", SCOPE_PREFIX[scope], SELF_COND_NAMES[target]);
-                else snprintf(name, sizeof(name), "%sblk.%d.%s", SCOPE_PREFIX[scope], il, TARGET_NAMES[target]);
+                else snprintf(name, sizeof(name), "%s" DG_BLOCK "%s", SCOPE_PREFIX[scope], il, TARGET_NAMES[target]);
                 if (scope != 0 && (both->a || both->b)) {
                     dg_set_err(err, err_len, "the adapter has both %s.* and %s.*: use one form per weight",
                                name + strlen(SCOPE_PREFIX[scope]), name);
@@ -511,26 +512,13 @@ static bool load_all(dg_model *m, const char *const *paths, const float *scales,
     return ok;
 }
 
-// ---------------------------------------------------------------------------------------------------------------
-// exported
-
-// 0 on success; else 1 + the index of the adapter at fault (n + 1 when none is), err set.
-DG_API int dg_model_load_adapters(dg_model *m, const char *const *paths, const float *scales, int n, char *err,
-                                  size_t err_len) {
-    if (err && err_len) err[0] = 0;
+int dg_lora_load(dg_model *m, const char *const *paths, const float *scales, int n, char *err, size_t err_len) {
     int failed;
     return load_all(m, paths, scales, n, false, &failed, err, err_len) ? 0 : failed + 1;
 }
 
-// Every check loading `adapter` onto the model at `model_path` makes, allocating neither. 1 ok, 0 with err set.
-DG_API int dg_adapter_check(const char *model_path, const char *adapter_path, char *err, size_t err_len) {
-    dg_model *m = dg_model_load_impl(model_path, 1, true, err, err_len);
-    if (!m) return 0;
+bool dg_lora_check(dg_model *m, const char *path, char *err, size_t err_len) {
     const float one = 1.0f;
     int failed;
-    const bool ok = load_all(m, &adapter_path, &one, 1, true, &failed, err, err_len);
-    dg_model_free_impl(m);
-    return ok;
+    return load_all(m, &path, &one, 1, true, &failed, err, err_len);
 }
-
-DG_API int dg_model_n_adapters(const dg_model *m) { return m->n_adapters; }

@@ -15,9 +15,7 @@
 #include <unistd.h>
 
 #include "engine.h"
-
-#define ARCH "diffusion-gemma"
-#define KEY(name) ARCH "." name
+#include "gguf_names.h"
 
 typedef struct loader {
     dg_model *m;
@@ -157,37 +155,37 @@ static bool read_hparams(loader *ld) {
     dg_hparams *hp = &m->hp;
     const struct gguf_context *g = m->gguf;
 
-    int64_t id = gguf_find_key(g, "general.architecture");
+    int64_t id = gguf_find_key(g, DG_KEY_ARCHITECTURE);
     if (id < 0 || gguf_get_kv_type(g, id) != GGUF_TYPE_STRING) {
         dg_set_err(ld->err, ld->err_len, "GGUF has no general.architecture string");
         return false;
     }
     const char *arch = gguf_get_val_str(g, id);
-    if (strcmp(arch, ARCH) != 0) {
-        dg_set_err(ld->err, ld->err_len, "unsupported model architecture '%.64s' (expected '" ARCH "')", arch);
+    if (strcmp(arch, DG_GGUF_ARCH) != 0) {
+        dg_set_err(ld->err, ld->err_len, "unsupported model architecture '%.64s' (expected '" DG_GGUF_ARCH "')", arch);
         return false;
     }
     int32_t n_rot_full = 0, n_rot_swa = 0, v_len = 0, v_len_swa = 0;
-    if (!kv_int(ld, KEY("block_count"), true, 0, 1, DG_MAX_LAYERS, &hp->n_layer) ||
-        !kv_int(ld, KEY("context_length"), true, 0, 1, INT32_MAX, &hp->n_ctx_train) ||
-        !kv_int(ld, KEY("embedding_length"), true, 0, 1, 1 << 16, &hp->n_embd) ||
-        !kv_int(ld, KEY("feed_forward_length"), true, 0, 1, 1 << 20, &hp->n_ff) ||
-        !kv_int(ld, KEY("expert_feed_forward_length"), true, 0, 1, 1 << 20, &hp->n_ff_exp) ||
-        !kv_int(ld, KEY("expert_count"), true, 0, 1, 4096, &hp->n_expert) ||
-        !kv_int(ld, KEY("expert_used_count"), true, 0, 1, 4096, &hp->n_expert_used) ||
-        !kv_int(ld, KEY("attention.head_count"), true, 0, 1, 4096, &hp->n_head) ||
-        !kv_int(ld, KEY("attention.key_length"), true, 0, 2, 1 << 14, &hp->head_dim_full) ||
-        !kv_int(ld, KEY("attention.key_length_swa"), true, 0, 2, 1 << 14, &hp->head_dim_swa) ||
-        !kv_int(ld, KEY("attention.value_length"), false, hp->head_dim_full, 1, 1 << 14, &v_len) ||
-        !kv_int(ld, KEY("attention.value_length_swa"), false, hp->head_dim_swa, 1, 1 << 14, &v_len_swa) ||
-        !kv_int(ld, KEY("attention.sliding_window"), true, 0, 1, INT32_MAX, &hp->sliding_window) ||
-        !kv_int(ld, KEY("rope.dimension_count"), false, hp->head_dim_full, 1, 1 << 14, &n_rot_full) ||
-        !kv_int(ld, KEY("rope.dimension_count_swa"), false, hp->head_dim_swa, 1, 1 << 14, &n_rot_swa) ||
-        !kv_int(ld, "diffusion.canvas_length", true, 0, 1, DG_MAX_CANVAS, &hp->canvas_length) ||
-        !kv_float(ld, KEY("attention.layer_norm_rms_epsilon"), true, 0, 1e-30, 1.0, &hp->rms_eps) ||
-        !kv_float(ld, KEY("rope.freq_base"), true, 0, 1.0, 1e30, &hp->rope_base_full) ||
-        !kv_float(ld, KEY("rope.freq_base_swa"), true, 0, 1.0, 1e30, &hp->rope_base_swa) ||
-        !kv_float(ld, KEY("final_logit_softcapping"), false, 30.0, 1e-3, 1e6, &hp->logit_softcap)) {
+    if (!kv_int(ld, DG_KEY_BLOCK_COUNT, true, 0, 1, DG_MAX_LAYERS, &hp->n_layer) ||
+        !kv_int(ld, DG_KEY_CONTEXT_LENGTH, true, 0, 1, INT32_MAX, &hp->n_ctx_train) ||
+        !kv_int(ld, DG_KEY_EMBEDDING_LENGTH, true, 0, 1, 1 << 16, &hp->n_embd) ||
+        !kv_int(ld, DG_KEY_FEED_FORWARD_LENGTH, true, 0, 1, 1 << 20, &hp->n_ff) ||
+        !kv_int(ld, DG_KEY_EXPERT_FEED_FORWARD_LENGTH, true, 0, 1, 1 << 20, &hp->n_ff_exp) ||
+        !kv_int(ld, DG_KEY_EXPERT_COUNT, true, 0, 1, 4096, &hp->n_expert) ||
+        !kv_int(ld, DG_KEY_EXPERT_USED_COUNT, true, 0, 1, 4096, &hp->n_expert_used) ||
+        !kv_int(ld, DG_KEY_HEAD_COUNT, true, 0, 1, 4096, &hp->n_head) ||
+        !kv_int(ld, DG_KEY_KEY_LENGTH, true, 0, 2, 1 << 14, &hp->head_dim_full) ||
+        !kv_int(ld, DG_KEY_KEY_LENGTH_SWA, true, 0, 2, 1 << 14, &hp->head_dim_swa) ||
+        !kv_int(ld, DG_KEY_VALUE_LENGTH, false, hp->head_dim_full, 1, 1 << 14, &v_len) ||
+        !kv_int(ld, DG_KEY_VALUE_LENGTH_SWA, false, hp->head_dim_swa, 1, 1 << 14, &v_len_swa) ||
+        !kv_int(ld, DG_KEY_SLIDING_WINDOW, true, 0, 1, INT32_MAX, &hp->sliding_window) ||
+        !kv_int(ld, DG_KEY_ROPE_DIMENSION_COUNT, false, hp->head_dim_full, 1, 1 << 14, &n_rot_full) ||
+        !kv_int(ld, DG_KEY_ROPE_DIMENSION_COUNT_SWA, false, hp->head_dim_swa, 1, 1 << 14, &n_rot_swa) ||
+        !kv_int(ld, DG_KEY_CANVAS_LENGTH, true, 0, 1, DG_MAX_CANVAS, &hp->canvas_length) ||
+        !kv_float(ld, DG_KEY_RMS_EPS, true, 0, 1e-30, 1.0, &hp->rms_eps) ||
+        !kv_float(ld, DG_KEY_ROPE_FREQ_BASE, true, 0, 1.0, 1e30, &hp->rope_base_full) ||
+        !kv_float(ld, DG_KEY_ROPE_FREQ_BASE_SWA, true, 0, 1.0, 1e30, &hp->rope_base_swa) ||
+        !kv_float(ld, DG_KEY_LOGIT_SOFTCAP, false, 30.0, 1e-3, 1e6, &hp->logit_softcap)) {
         return false;
     }
     if (hp->n_expert_used > hp->n_expert) {
@@ -204,8 +202,8 @@ static bool read_hparams(loader *ld) {
         return false;
     }
     int32_t pattern[DG_MAX_LAYERS];
-    if (!kv_layer_ints(ld, KEY("attention.sliding_window_pattern"), hp->n_layer, 0, 1, pattern) ||
-        !kv_layer_ints(ld, KEY("attention.head_count_kv"), hp->n_layer, 1, hp->n_head, hp->n_head_kv)) {
+    if (!kv_layer_ints(ld, DG_KEY_SLIDING_WINDOW_PATTERN, hp->n_layer, 0, 1, pattern) ||
+        !kv_layer_ints(ld, DG_KEY_HEAD_COUNT_KV, hp->n_layer, 1, hp->n_head, hp->n_head_kv)) {
         return false;
     }
     for (int il = 0; il < hp->n_layer; il++) {
@@ -273,43 +271,43 @@ static bool bind_tensors(loader *ld) {
     const int64_t H = hp->n_embd, FF = hp->n_ff, FFe = hp->n_ff_exp, E = hp->n_expert;
     char name[128];
 
-    m->tok_embd = ggml_get_tensor(m->ctx_file, "token_embd.weight");
+    m->tok_embd = ggml_get_tensor(m->ctx_file, DG_TENSOR_TOKEN_EMBD);
     if (!m->tok_embd) {
         dg_set_err(ld->err, ld->err_len, "GGUF is missing tensor 'token_embd.weight'");
         return false;
     }
     if (m->tok_embd->ne[1] > INT32_MAX) {
-        dg_set_err(ld->err, ld->err_len, "token_embd.weight has too many rows");
+        dg_set_err(ld->err, ld->err_len, DG_TENSOR_TOKEN_EMBD " has too many rows");
         return false;
     }
     hp->n_vocab = (int32_t)m->tok_embd->ne[1];
     const int64_t V = hp->n_vocab;
-    if (!want(ld, true, "token_embd.weight", MATRIX, H, V, 0)) return false;
+    if (!want(ld, true, DG_TENSOR_TOKEN_EMBD, MATRIX, H, V, 0)) return false;
     // the vocabulary must match the embedding rows (the sampler draws uniformly over them)
-    int64_t tid = gguf_find_key(m->gguf, "tokenizer.ggml.tokens");
+    int64_t tid = gguf_find_key(m->gguf, DG_KEY_TOKENS);
     if (tid >= 0 && (gguf_get_kv_type(m->gguf, tid) != GGUF_TYPE_ARRAY || gguf_get_arr_n(m->gguf, tid) != (size_t)V)) {
-        dg_set_err(ld->err, ld->err_len, "tokenizer.ggml.tokens does not have %lld entries (token_embd rows)", (long long)V);
+        dg_set_err(ld->err, ld->err_len, DG_KEY_TOKENS " does not have %lld entries (" DG_STEM_TOKEN_EMBD " rows)", (long long)V);
         return false;
     }
-    m->output = want(ld, false, "output.weight", MATRIX, H, V, 0);
+    m->output = want(ld, false, DG_TENSOR_OUTPUT, MATRIX, H, V, 0);
     if (ld->err[0]) return false;
     hp->has_output = m->output != NULL;
-    if (!(m->output_norm = want(ld, true, "output_norm.weight", VEC_F32, H, 0, 0))) return false;
+    if (!(m->output_norm = want(ld, true, DG_TENSOR_OUTPUT_NORM, VEC_F32, H, 0, 0))) return false;
 
     bool any_full = false;
     for (int il = 0; il < hp->n_layer; il++) any_full |= !hp->is_sliding[il];
-    m->rope_freqs = want(ld, false, "rope_freqs.weight", VEC_F32, hp->head_dim_full / 2, 0, 0);
+    m->rope_freqs = want(ld, false, DG_TENSOR_ROPE_FREQS, VEC_F32, hp->head_dim_full / 2, 0, 0);
     if (ld->err[0]) return false;
     if (any_full && !m->rope_freqs) {
         dg_set_err(ld->err, ld->err_len, "GGUF is missing tensor 'rope_freqs.weight' (partial rotary of full layers)");
         return false;
     }
 
-    m->sc_pre_norm = want(ld, false, "self_cond_pre_norm.weight", VEC_F32, H, 0, 0);
-    if (!m->sc_pre_norm && !ld->err[0]) m->sc_pre_norm = want(ld, false, "self_cond_norm.weight", VEC_F32, H, 0, 0);
-    m->sc_gate = want(ld, false, "self_cond_gate.weight", MATRIX, H, FF, 0);
-    m->sc_up = want(ld, false, "self_cond_up.weight", MATRIX, H, FF, 0);
-    m->sc_down = want(ld, false, "self_cond_down.weight", MATRIX, FF, H, 0);
+    m->sc_pre_norm = want(ld, false, DG_TENSOR_SC_PRE_NORM, VEC_F32, H, 0, 0);
+    if (!m->sc_pre_norm && !ld->err[0]) m->sc_pre_norm = want(ld, false, DG_TENSOR_SC_NORM_OLD, VEC_F32, H, 0, 0);
+    m->sc_gate = want(ld, false, DG_TENSOR_SC_GATE, MATRIX, H, FF, 0);
+    m->sc_up = want(ld, false, DG_TENSOR_SC_UP, MATRIX, H, FF, 0);
+    m->sc_down = want(ld, false, DG_TENSOR_SC_DOWN, MATRIX, FF, H, 0);
     if (ld->err[0]) return false;
     int n_sc = !!m->sc_pre_norm + !!m->sc_gate + !!m->sc_up + !!m->sc_down;
     if (n_sc != 0 && n_sc != 4) {
@@ -332,30 +330,30 @@ static bool bind_tensors(loader *ld) {
         L->head_dim = L->sliding ? hp->head_dim_swa : hp->head_dim_full;
         const int64_t hd = L->head_dim, q_out = (int64_t)hp->n_head * hd, kv_out = (int64_t)L->n_head_kv * hd;
 #define T(field, suffix, kind, a, b, c)                                             \
-        snprintf(name, sizeof(name), "blk.%d." suffix, il);                         \
+        snprintf(name, sizeof(name), DG_BLOCK suffix, il);                         \
         if (!(L->field = want(ld, true, name, kind, a, b, c))) return false;
-        T(attn_norm, "attn_norm.weight", VEC_F32, H, 0, 0);
-        T(wq, "attn_q.weight", MATRIX, H, q_out, 0);
-        T(q_norm, "attn_q_norm.weight", VEC_F32, hd, 0, 0);
-        T(wk, "attn_k.weight", MATRIX, H, kv_out, 0);
-        T(k_norm, "attn_k_norm.weight", VEC_F32, hd, 0, 0);
-        T(wo, "attn_output.weight", MATRIX, q_out, H, 0);
-        T(post_attn_norm, "post_attention_norm.weight", VEC_F32, H, 0, 0);
-        T(ffn_norm, "ffn_norm.weight", VEC_F32, H, 0, 0);
-        T(ffn_gate, "ffn_gate.weight", MATRIX, H, FF, 0);
-        T(ffn_up, "ffn_up.weight", MATRIX, H, FF, 0);
-        T(ffn_down, "ffn_down.weight", MATRIX, FF, H, 0);
-        T(post_ffw_norm_1, "post_ffw_norm_1.weight", VEC_F32, H, 0, 0);
-        T(router, "ffn_gate_inp.weight", ROUTER, H, E, 0);
-        T(router_scale, "ffn_gate_inp.scale", VEC_F32, H, 0, 0);
-        T(pre_ffw_norm_2, "pre_ffw_norm_2.weight", VEC_F32, H, 0, 0);
-        T(down_exps, "ffn_down_exps.weight", MATRIX, FFe, H, E);
-        T(expert_scale, "ffn_down_exps.scale", VEC_F32, E, 0, 0);
-        T(post_ffw_norm_2, "post_ffw_norm_2.weight", VEC_F32, H, 0, 0);
-        T(post_ffw_norm, "post_ffw_norm.weight", VEC_F32, H, 0, 0);
-        T(dec_scale, "layer_output_scale.weight", VEC_F32, 1, 0, 0);
+        T(attn_norm, DG_TENSOR_ATTN_NORM, VEC_F32, H, 0, 0);
+        T(wq, DG_TENSOR_ATTN_Q, MATRIX, H, q_out, 0);
+        T(q_norm, DG_TENSOR_ATTN_Q_NORM, VEC_F32, hd, 0, 0);
+        T(wk, DG_TENSOR_ATTN_K, MATRIX, H, kv_out, 0);
+        T(k_norm, DG_TENSOR_ATTN_K_NORM, VEC_F32, hd, 0, 0);
+        T(wo, DG_TENSOR_ATTN_OUTPUT, MATRIX, q_out, H, 0);
+        T(post_attn_norm, DG_TENSOR_POST_ATTN_NORM, VEC_F32, H, 0, 0);
+        T(ffn_norm, DG_TENSOR_FFN_NORM, VEC_F32, H, 0, 0);
+        T(ffn_gate, DG_TENSOR_FFN_GATE, MATRIX, H, FF, 0);
+        T(ffn_up, DG_TENSOR_FFN_UP, MATRIX, H, FF, 0);
+        T(ffn_down, DG_TENSOR_FFN_DOWN, MATRIX, FF, H, 0);
+        T(post_ffw_norm_1, DG_TENSOR_POST_FFW_NORM_1, VEC_F32, H, 0, 0);
+        T(router, DG_TENSOR_ROUTER, ROUTER, H, E, 0);
+        T(router_scale, DG_TENSOR_ROUTER_SCALE, VEC_F32, H, 0, 0);
+        T(pre_ffw_norm_2, DG_TENSOR_PRE_FFW_NORM_2, VEC_F32, H, 0, 0);
+        T(down_exps, DG_TENSOR_DOWN_EXPS, MATRIX, FFe, H, E);
+        T(expert_scale, DG_TENSOR_EXPERT_SCALE, VEC_F32, E, 0, 0);
+        T(post_ffw_norm_2, DG_TENSOR_POST_FFW_NORM_2, VEC_F32, H, 0, 0);
+        T(post_ffw_norm, DG_TENSOR_POST_FFW_NORM, VEC_F32, H, 0, 0);
+        T(dec_scale, DG_TENSOR_LAYER_SCALE, VEC_F32, 1, 0, 0);
 #undef T
-        snprintf(name, sizeof(name), "blk.%d.attn_v.weight", il);
+        snprintf(name, sizeof(name), DG_BLOCK DG_TENSOR_ATTN_V, il);
         L->wv = want(ld, L->sliding, name, MATRIX, H, kv_out, 0);
         if (L->sliding && !L->wv) return false;
         if (!L->sliding && L->wv) {
@@ -364,12 +362,12 @@ static bool bind_tensors(loader *ld) {
         }
         if (ld->err[0]) return false;
 
-        snprintf(name, sizeof(name), "blk.%d.ffn_gate_up_exps.weight", il);
+        snprintf(name, sizeof(name), DG_BLOCK DG_TENSOR_GATE_UP_EXPS, il);
         L->gate_up_exps = want(ld, false, name, MATRIX, H, 2 * FFe, E);
         if (ld->err[0]) return false;
         char gname[128], uname[128];
-        snprintf(gname, sizeof(gname), "blk.%d.ffn_gate_exps.weight", il);
-        snprintf(uname, sizeof(uname), "blk.%d.ffn_up_exps.weight", il);
+        snprintf(gname, sizeof(gname), DG_BLOCK DG_TENSOR_GATE_EXPS_SPLIT, il);
+        snprintf(uname, sizeof(uname), DG_BLOCK DG_TENSOR_UP_EXPS_SPLIT, il);
         bool has_split = ggml_get_tensor(m->ctx_file, gname) || ggml_get_tensor(m->ctx_file, uname);
         if (L->gate_up_exps && has_split) {
             dg_set_err(ld->err, ld->err_len, "layer %d has both fused and split expert tensors", il);
@@ -385,10 +383,10 @@ static bool bind_tensors(loader *ld) {
             hp->split_experts = 1;
         }
 
-        snprintf(name, sizeof(name), "blk.%d.enc_layer_output_scale.weight", il);
+        snprintf(name, sizeof(name), DG_BLOCK DG_TENSOR_ENC_LAYER_SCALE, il);
         L->enc_scale = want(ld, false, name, VEC_F32, 1, 0, 0);
         if (!L->enc_scale && !ld->err[0]) {
-            snprintf(name, sizeof(name), "blk.%d.enc_layer_out_scale.weight", il);
+            snprintf(name, sizeof(name), DG_BLOCK DG_TENSOR_ENC_LAYER_SCALE_OLD, il);
             L->enc_scale = want(ld, false, name, VEC_F32, 1, 0, 0);
         }
         if (ld->err[0]) return false;
@@ -429,7 +427,7 @@ bool dg_make_transposed_embedding(dg_model *m, char *err, size_t err_len) {
         return false;
     }
     m->embd_t = ggml_new_tensor_3d(m->ctx_extra, dst_type, KC, H, m->sc_chunks);
-    ggml_set_name(m->embd_t, "token_embd_t");
+    ggml_set_name(m->embd_t, DG_STEM_TOKEN_EMBD "_t");
     m->buf_extra = ggml_backend_alloc_ctx_tensors_from_buft(m->ctx_extra, ggml_backend_cpu_buffer_type());
     if (!m->buf_extra) {
         dg_set_err(err, err_len, "cannot allocate %.1f MiB for the transposed embedding",
@@ -541,8 +539,6 @@ fail:
 
 void dg_model_free_impl(dg_model *m) {
     if (!m) return;
-    dg_placement_free(&m->place);
-    dg_lora_free(m);
     if (m->buf_extra) ggml_backend_buffer_free(m->buf_extra);
     if (m->ctx_extra) ggml_free(m->ctx_extra);
     if (m->buf_file) ggml_backend_buffer_free(m->buf_file);

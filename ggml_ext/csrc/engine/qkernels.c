@@ -9,12 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu.h"
 #include "qkernels.h"
 
-// ---------------------------------------------------------------------------------------------------------------
-// small helpers shared with the kernels
-
-float dg_qk_half(uint16_t h) {  // IEEE binary16 -> binary32
+static float dg_qk_half(uint16_t h) {  // IEEE binary16 -> binary32
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
     uint32_t bits;
     if (exp == 0x1f) {
@@ -32,22 +30,6 @@ float dg_qk_half(uint16_t h) {  // IEEE binary16 -> binary32
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
-}
-
-void dg_qk_q4k_scale_min(const uint8_t *q, int j, int *scale, int *min) {
-    if (j < 4) {
-        *scale = q[j] & 63;
-        *min = q[j + 4] & 63;
-    } else {
-        *scale = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
-        *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
-const int8_t dg_qk_iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-
-int dg_qk_iq4xs_scale(const dg_block_iq4_xs *b, int j) {
-    return (((b->scales_l[j / 2] >> 4 * (j % 2)) & 0xf) | (((b->scales_h >> 2 * j) & 3) << 4)) - 32;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -83,19 +65,10 @@ bool dg_qk_supports(enum ggml_type type, int64_t kd) {
     return qtype_of(type, &q) && kd > 0 && kd % q.block == 0 && kd / q.block <= (1 << 20);
 }
 
-static bool cpu_has_avx2(void) {
-#if defined(__x86_64__) && defined(__GNUC__)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#else
-    return false;
-#endif
-}
-
 bool dg_qk_path_available(dg_qk_path path) {
     switch (path) {
         case DG_QK_SCALAR: return true;
-        case DG_QK_AVX2: return cpu_has_avx2();
+        case DG_QK_AVX2: return dg_cpu_has_avx2_fma_f16c();
         default: return false;  // DG_QK_OFF is not a kernel path; AVX-512 VNNI kernels are not written yet
     }
 }
@@ -276,14 +249,6 @@ struct ggml_tensor *dg_build_qmatmul(struct ggml_context *ctx, struct ggml_tenso
     struct ggml_tensor *args[2] = {w, build_quantize(ctx, &q, w, x, path)};
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, product_op, GGML_N_TASKS_MAX,
                           pack(w->type, path));
-}
-
-struct ggml_tensor *dg_build_weight_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
-                                           bool fast) {
-    if (!fast) return ggml_mul_mat(ctx, w, x);
-    struct ggml_tensor *y = w->type == GGML_TYPE_F32 ? dg_build_f32_matmul(ctx, w, x)
-                                                     : dg_build_qmatmul(ctx, w, x, dg_qk_default_path());
-    return y ? y : ggml_mul_mat(ctx, w, x);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

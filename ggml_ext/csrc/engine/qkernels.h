@@ -69,15 +69,26 @@ typedef struct {
 } dg_block_q6_K;
 typedef struct { uint16_t d; uint8_t qs[DG_QK / 2]; } dg_block_iq4_nl;
 typedef struct { uint16_t d, scales_h; uint8_t scales_l[DG_QK_K / 64]; uint8_t qs[DG_QK_K / 2]; } dg_block_iq4_xs;
+// Block decoding shared by the portable (qkernels.c) and AVX2 (qkernels_avx2.c) kernels, inline so that neither file
+// calls into the other.
 // the 16 values of IQ4_NL / IQ4_XS's 4-bit indices (the format's non-linear grid)
-extern const int8_t dg_qk_iq4_values[16];
+static const int8_t dg_qk_iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 // IQ4_XS's scale of sub-block j (0..7), already minus its offset of 32
-int dg_qk_iq4xs_scale(const dg_block_iq4_xs *b, int j);
+static inline int dg_qk_iq4xs_scale(const dg_block_iq4_xs *b, int j) {
+    return (((b->scales_l[j / 2] >> 4 * (j % 2)) & 0xf) | (((b->scales_h >> 2 * j) & 3) << 4)) - 32;
+}
 
 // Activation side floats, per row, after the ggml blocks:
 // - Q8_0 activations (Q8_0, Q5_0 weights): dx[nb] (the block scales as f32), then int32 lanes16[8·nb]: 16 · the sum
 //   of qs[4·l .. 4·l + 3] in lane l (Q5_0's offset of 16, in the lanes of vpmaddwd's output).
 // - Q8_K activations (Q4_K, Q6_K weights): s32[8·nb] = d · Σ qs over each 32-element sub-block.
-float dg_qk_half(uint16_t h);
 // Q4_K's 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes.
-void dg_qk_q4k_scale_min(const uint8_t *packed, int j, int *scale, int *min);
+static inline void dg_qk_q4k_scale_min(const uint8_t *q, int j, int *scale, int *min) {
+    if (j < 4) {
+        *scale = q[j] & 63;
+        *min = q[j + 4] & 63;
+    } else {
+        *scale = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
+        *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}

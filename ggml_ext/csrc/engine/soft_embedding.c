@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu.h"
 #include "engine.h"
 #include "qkernels_avx2.h"
 
@@ -223,8 +224,7 @@ ggml_to_float_t dg_row_dequantizer(enum ggml_type type, bool avx2) {
 
 int dg_soft_embedding_isa(void) {
 #ifdef DG_X86
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+    if (dg_cpu_has_avx2_fma()) return 1;
 #endif
     return 0;
 }

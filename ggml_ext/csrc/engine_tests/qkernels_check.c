@@ -4,6 +4,7 @@
 #include <stdlib.h>
 
 #include "engine.h"
+#include "hooks.h"
 #include "qkernels.h"
 
 // Routing of token r's n_used slots. rows_per_expert > 0: tokens in consecutive groups of that many share their
