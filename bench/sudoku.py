@@ -291,9 +291,11 @@ def main() -> None:
     hf_n = args.n if args.hf_n is None else min(args.hf_n, args.n)
     fixed_n = args.n if args.fixed_n is None else min(args.fixed_n, args.n)
 
+    from dgemma_engine.gguf_keys import KEY_FILE_TYPE
+
     parameters = modelfile_parameters(args.modelfile)
     engine = Dgemma(args.gguf, args.threads)
-    results: dict = {"gguf": str(args.gguf), "gguf_type": int(engine.model.metadata["general.file_type"]),
+    results: dict = {"gguf": str(args.gguf), "gguf_type": int(engine.model.metadata[KEY_FILE_TYPE]),
                      "n": args.n, "hf_n": hf_n, "fixed_n": fixed_n, "threads": args.threads, "bench_seed": BENCH_SEED,
                      "modelfile_parameters": parameters, "levels": {}}
     bundle = args.checkpoint / "bundle.json"

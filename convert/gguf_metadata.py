@@ -10,6 +10,7 @@ from gguf import GGML_QUANT_VERSION, GGUFValueType as V, size_label as gguf_size
 from dgemma_convert.hf_config import ModelConfig, SamplerValues
 from dgemma_convert.tensor_map import TensorSpec
 from dgemma_convert.tokenizer_meta import TOKENIZER_MODEL, TokenizerMeta
+from dgemma_engine import gguf_keys
 from dgemma_engine.arch import ARCH
 from dgemma_engine.settings import FILE_SETTINGS, SamplerSetting
 
@@ -44,41 +45,40 @@ def size_label(specs: Sequence[TensorSpec]) -> str:
 
 def build_metadata(cfg: ModelConfig, sampler: SamplerValues, tok: TokenizerMeta, *, name: str, file_type: int,
                    specs: Sequence[TensorSpec]) -> list[KeyValue]:
-    a = ARCH
     kv = [
-        KeyValue("general.architecture", ARCH, V.STRING),
-        KeyValue("general.type", "model", V.STRING),
-        KeyValue("general.name", name, V.STRING),
-        KeyValue("general.size_label", size_label(specs), V.STRING),
-        KeyValue("general.quantization_version", GGML_QUANT_VERSION, V.UINT32),
-        KeyValue("general.file_type", int(file_type), V.UINT32),
-        KeyValue(f"{a}.block_count", cfg.n_layer, V.UINT32),
-        KeyValue(f"{a}.context_length", cfg.context_length, V.UINT32),
-        KeyValue(f"{a}.embedding_length", cfg.n_embd, V.UINT32),
-        KeyValue(f"{a}.feed_forward_length", cfg.n_ff, V.UINT32),
-        KeyValue(f"{a}.expert_feed_forward_length", cfg.n_ff_exp, V.UINT32),
-        KeyValue(f"{a}.expert_count", cfg.n_expert, V.UINT32),
-        KeyValue(f"{a}.expert_used_count", cfg.n_expert_used, V.UINT32),
-        KeyValue(f"{a}.attention.head_count", cfg.n_head, V.UINT32),
-        KeyValue(f"{a}.attention.head_count_kv", [layer.n_kv_heads for layer in cfg.layers], V.ARRAY, V.INT32),
-        KeyValue(f"{a}.attention.key_length", cfg.head_dim_full, V.UINT32),
-        KeyValue(f"{a}.attention.value_length", cfg.head_dim_full, V.UINT32),
-        KeyValue(f"{a}.attention.key_length_swa", cfg.head_dim_sliding, V.UINT32),
-        KeyValue(f"{a}.attention.value_length_swa", cfg.head_dim_sliding, V.UINT32),
-        KeyValue(f"{a}.attention.sliding_window", cfg.sliding_window, V.UINT32),
+        KeyValue(gguf_keys.KEY_ARCHITECTURE, ARCH, V.STRING),
+        KeyValue(gguf_keys.KEY_GENERAL_TYPE, "model", V.STRING),
+        KeyValue(gguf_keys.KEY_NAME, name, V.STRING),
+        KeyValue(gguf_keys.KEY_SIZE_LABEL, size_label(specs), V.STRING),
+        KeyValue(gguf_keys.KEY_QUANTIZATION_VERSION, GGML_QUANT_VERSION, V.UINT32),
+        KeyValue(gguf_keys.KEY_FILE_TYPE, int(file_type), V.UINT32),
+        KeyValue(gguf_keys.KEY_BLOCK_COUNT, cfg.n_layer, V.UINT32),
+        KeyValue(gguf_keys.KEY_CONTEXT_LENGTH, cfg.context_length, V.UINT32),
+        KeyValue(gguf_keys.KEY_EMBEDDING_LENGTH, cfg.n_embd, V.UINT32),
+        KeyValue(gguf_keys.KEY_FEED_FORWARD_LENGTH, cfg.n_ff, V.UINT32),
+        KeyValue(gguf_keys.KEY_EXPERT_FEED_FORWARD_LENGTH, cfg.n_ff_exp, V.UINT32),
+        KeyValue(gguf_keys.KEY_EXPERT_COUNT, cfg.n_expert, V.UINT32),
+        KeyValue(gguf_keys.KEY_EXPERT_USED_COUNT, cfg.n_expert_used, V.UINT32),
+        KeyValue(gguf_keys.KEY_HEAD_COUNT, cfg.n_head, V.UINT32),
+        KeyValue(gguf_keys.KEY_HEAD_COUNT_KV, [layer.n_kv_heads for layer in cfg.layers], V.ARRAY, V.INT32),
+        KeyValue(gguf_keys.KEY_KEY_LENGTH, cfg.head_dim_full, V.UINT32),
+        KeyValue(gguf_keys.KEY_VALUE_LENGTH, cfg.head_dim_full, V.UINT32),
+        KeyValue(gguf_keys.KEY_KEY_LENGTH_SWA, cfg.head_dim_sliding, V.UINT32),
+        KeyValue(gguf_keys.KEY_VALUE_LENGTH_SWA, cfg.head_dim_sliding, V.UINT32),
+        KeyValue(gguf_keys.KEY_SLIDING_WINDOW, cfg.sliding_window, V.UINT32),
         # true = sliding layer, false = full layer
-        KeyValue(f"{a}.attention.sliding_window_pattern", [layer.sliding for layer in cfg.layers], V.ARRAY, V.BOOL),
-        KeyValue(f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_eps, V.FLOAT32),
-        KeyValue(f"{a}.attention.causal", False, V.BOOL),  # the graph builds its own encoder/decoder masks
-        KeyValue(f"{a}.attention.shared_kv_layers", 0, V.UINT32),
-        KeyValue(f"{a}.embedding_length_per_layer_input", 0, V.UINT32),
-        KeyValue(f"{a}.rope.freq_base", cfg.rope_theta_full, V.FLOAT32),
-        KeyValue(f"{a}.rope.freq_base_swa", cfg.rope_theta_sliding, V.FLOAT32),
+        KeyValue(gguf_keys.KEY_SLIDING_WINDOW_PATTERN, [layer.sliding for layer in cfg.layers], V.ARRAY, V.BOOL),
+        KeyValue(gguf_keys.KEY_RMS_EPS, cfg.rms_eps, V.FLOAT32),
+        KeyValue(gguf_keys.KEY_CAUSAL, False, V.BOOL),  # the graph builds its own encoder/decoder masks
+        KeyValue(gguf_keys.KEY_SHARED_KV_LAYERS, 0, V.UINT32),
+        KeyValue(gguf_keys.KEY_EMBEDDING_LENGTH_PER_LAYER_INPUT, 0, V.UINT32),
+        KeyValue(gguf_keys.KEY_ROPE_FREQ_BASE, cfg.rope_theta_full, V.FLOAT32),
+        KeyValue(gguf_keys.KEY_ROPE_FREQ_BASE_SWA, cfg.rope_theta_sliding, V.FLOAT32),
         # full layers rotate the whole head with per-pair factors (rope_freqs) for the partial rotary
-        KeyValue(f"{a}.rope.dimension_count", cfg.head_dim_full, V.UINT32),
-        KeyValue(f"{a}.rope.dimension_count_swa", cfg.head_dim_sliding, V.UINT32),
-        KeyValue(f"{a}.final_logit_softcapping", cfg.logit_softcap, V.FLOAT32),
-        KeyValue("diffusion.canvas_length", cfg.canvas_length, V.UINT32),
+        KeyValue(gguf_keys.KEY_ROPE_DIMENSION_COUNT, cfg.head_dim_full, V.UINT32),
+        KeyValue(gguf_keys.KEY_ROPE_DIMENSION_COUNT_SWA, cfg.head_dim_sliding, V.UINT32),
+        KeyValue(gguf_keys.KEY_LOGIT_SOFTCAP, cfg.logit_softcap, V.FLOAT32),
+        KeyValue(gguf_keys.KEY_CANVAS_LENGTH, cfg.canvas_length, V.UINT32),
     ]
     kv += sampler_metadata(sampler)
     kv += tokenizer_metadata(tok)
@@ -97,22 +97,20 @@ def sampler_metadata(sampler: SamplerValues) -> list[KeyValue]:
 
 def tokenizer_metadata(tok: TokenizerMeta) -> list[KeyValue]:
     kv = [
-        KeyValue("tokenizer.ggml.model", TOKENIZER_MODEL, V.STRING),
-        KeyValue("tokenizer.ggml.tokens", tok.tokens, V.ARRAY, V.STRING),
-        KeyValue("tokenizer.ggml.scores", tok.scores, V.ARRAY, V.FLOAT32),
-        KeyValue("tokenizer.ggml.token_type", tok.token_types, V.ARRAY, V.INT32),
+        KeyValue(gguf_keys.KEY_TOKENIZER_MODEL, TOKENIZER_MODEL, V.STRING),
+        KeyValue(gguf_keys.KEY_TOKENS, tok.tokens, V.ARRAY, V.STRING),
+        KeyValue(gguf_keys.KEY_SCORES, tok.scores, V.ARRAY, V.FLOAT32),
+        KeyValue(gguf_keys.KEY_TOKEN_TYPE, tok.token_types, V.ARRAY, V.INT32),
     ]
     if tok.merges:  # GGUF arrays cannot be empty
-        kv.append(KeyValue("tokenizer.ggml.merges", tok.merges, V.ARRAY, V.STRING))
-    key_of_role = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
-                   "pad": "padding_token_id", "mask": "mask_token_id"}
-    for role, key in key_of_role.items():
+        kv.append(KeyValue(gguf_keys.KEY_MERGES, tok.merges, V.ARRAY, V.STRING))
+    for role, key in gguf_keys.SPECIAL_TOKEN_KEYS.items():
         if role in tok.special_ids:
-            kv.append(KeyValue(f"tokenizer.ggml.{key}", tok.special_ids[role], V.UINT32))
+            kv.append(KeyValue(key, tok.special_ids[role], V.UINT32))
     if tok.chat_template is not None:
-        kv.append(KeyValue("tokenizer.chat_template", tok.chat_template, V.STRING))
+        kv.append(KeyValue(gguf_keys.KEY_CHAT_TEMPLATE, tok.chat_template, V.STRING))
     kv += [
-        KeyValue("tokenizer.ggml.add_space_prefix", False, V.BOOL),
-        KeyValue("tokenizer.ggml.add_bos_token", True, V.BOOL),  # the chat template emits <bos> itself
+        KeyValue(gguf_keys.KEY_ADD_SPACE_PREFIX, False, V.BOOL),
+        KeyValue(gguf_keys.KEY_ADD_BOS, True, V.BOOL),  # the chat template emits <bos> itself
     ]
     return kv

@@ -27,6 +27,7 @@ from dgemma_convert.safetensors_reader import DTYPE_SIZES, FLOAT_DTYPES, Safeten
 from dgemma_convert.tensor_map import DECODER, gguf_name_of_source
 from dgemma_convert.writer import StreamingGGUFWriter
 from dgemma_engine.arch import ARCH
+from dgemma_engine.gguf_keys import KEY_ADAPTER_TYPE, KEY_ARCHITECTURE, KEY_GENERAL_TYPE, KEY_LORA_ALPHA
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -122,16 +123,16 @@ def is_lora_target(name: str) -> bool:
 
 def lora_header_from(metadata: Mapping[str, Any], tensors: Iterable[tuple[str, tuple[int, ...], str]]) -> LoraHeader:
     """Check a GGUF's keys and tensor table (name, ggml ne, type name) as a LoRA adapter for this architecture."""
-    kind = metadata.get("general.type")
+    kind = metadata.get(KEY_GENERAL_TYPE)
     if kind != "adapter":
         what = "a model" if kind in (None, "model") else f"general.type {kind!r}"
         raise LoraError(f"not a LoRA adapter: the GGUF is {what}, not general.type 'adapter'")
-    if metadata.get("adapter.type") != "lora":
-        raise LoraError(f"not a LoRA adapter: adapter.type is {metadata.get('adapter.type')!r}, not 'lora'")
-    arch = metadata.get("general.architecture")
+    if metadata.get(KEY_ADAPTER_TYPE) != "lora":
+        raise LoraError(f"not a LoRA adapter: adapter.type is {metadata.get(KEY_ADAPTER_TYPE)!r}, not 'lora'")
+    arch = metadata.get(KEY_ARCHITECTURE)
     if arch != ARCH:
         raise LoraError(f"the adapter was made for architecture {arch!r}, not {ARCH!r}")
-    alpha = metadata.get("adapter.lora.alpha")
+    alpha = metadata.get(KEY_LORA_ALPHA)
     if not isinstance(alpha, float) or not math.isfinite(alpha) or alpha <= 0:
         raise LoraError(f"adapter.lora.alpha must be a positive float32, got {alpha!r}")
     halves: dict[tuple[str, str], dict[str, tuple[int, ...]]] = {}
@@ -216,9 +217,9 @@ def read_lora_header(path: Path) -> LoraHeader:
 def read_base_tensors(path: Path) -> tuple[str, dict[str, tuple[int, ...]]]:
     """A base GGUF's architecture and tensor shapes (ggml ne)."""
     metadata, tensors = _read_gguf(Path(path))
-    if metadata.get("general.type", "model") != "model":
-        raise LoraError(f"{Path(path).name} is not a base model (general.type {metadata.get('general.type')!r})")
-    return str(metadata.get("general.architecture", "")), {t.name: t.ne for t in tensors}
+    if metadata.get(KEY_GENERAL_TYPE, "model") != "model":
+        raise LoraError(f"{Path(path).name} is not a base model (general.type {metadata.get(KEY_GENERAL_TYPE)!r})")
+    return str(metadata.get(KEY_ARCHITECTURE, "")), {t.name: t.ne for t in tensors}
 
 
 @dataclass(frozen=True)
@@ -534,9 +535,9 @@ def _write(outfile: Path, plan: LoraPlan, st: SafetensorsFile) -> None:
         tensors.append((p.pair.a_name, p.pair.a_ne, a_type, lambda p=p: _a_bytes(st, p)))
         tensors.append((p.pair.b_name, p.pair.b_ne, p.out_type, lambda p=p: _b_bytes(st, p)))
     with StreamingGGUFWriter(outfile, ARCH) as writer:
-        writer.add_key_value("general.type", "adapter", V.STRING)
-        writer.add_key_value("adapter.type", "lora", V.STRING)
-        writer.add_key_value("adapter.lora.alpha", plan.settings.gguf_alpha, V.FLOAT32)
+        writer.add_key_value(KEY_GENERAL_TYPE, "adapter", V.STRING)
+        writer.add_key_value(KEY_ADAPTER_TYPE, "lora", V.STRING)
+        writer.add_key_value(KEY_LORA_ALPHA, plan.settings.gguf_alpha, V.FLOAT32)
         for name, ne, ggml_type, _ in tensors:
             writer.add_tensor_info(name, ne, ggml_type, _nbytes(ggml_type, ne))
         writer.begin_data()

@@ -22,6 +22,7 @@ from dgemma_convert.gguf_metadata import ARCH, KeyValue
 from dgemma_convert.quantize import FLOAT_TYPES, choose_types, nbytes, parse_outtype
 from dgemma_convert.safetensors_reader import to_float32
 from dgemma_convert.tensor_map import TensorSpec
+from dgemma_engine.gguf_keys import KEY_ARCHITECTURE, KEY_BLOCK_COUNT, KEY_FILE_TYPE
 
 
 @dataclass(frozen=True)
@@ -37,12 +38,12 @@ def requantize(src: Path, dst: Path, outtype: str, *, threads: int | None = None
     src, dst = Path(src), Path(dst)
     out = parse_outtype(outtype)
     metadata, sources = read_float_gguf(src)
-    n_layer = next((kv.value for kv in metadata if kv.key == f"{ARCH}.block_count"), None)
+    n_layer = next((kv.value for kv in metadata if kv.key == KEY_BLOCK_COUNT), None)
     if not isinstance(n_layer, int) or n_layer < 1:
-        raise ConvertError(f"{src}: missing or invalid {ARCH}.block_count")
+        raise ConvertError(f"{src}: missing or invalid {KEY_BLOCK_COUNT}")
     types = choose_types([s.spec for s in sources], n_layer, out)
     planned = [PlannedTensor(s.spec, t, nbytes(t, s.spec.ne)) for s, t in zip(sources, types, strict=True)]
-    file_type = KeyValue("general.file_type", int(out.file_type), V.UINT32)
+    file_type = KeyValue(KEY_FILE_TYPE, int(out.file_type), V.UINT32)
     if not any(kv.key == file_type.key for kv in metadata):
         metadata.append(file_type)
     metadata = [file_type if kv.key == file_type.key else kv for kv in metadata]
@@ -74,7 +75,7 @@ def read_float_gguf(path: Path) -> tuple[list[KeyValue], list[SourceTensor]]:
         if vtype == V.ARRAY and len(field.types) != 2:
             raise ConvertError(f"{path}: nested array in key {name} is not supported")
         metadata.append(KeyValue(name, field.contents(), vtype, V(field.types[-1]) if vtype == V.ARRAY else None))
-    arch = next((kv.value for kv in metadata if kv.key == "general.architecture"), None)
+    arch = next((kv.value for kv in metadata if kv.key == KEY_ARCHITECTURE), None)
     if arch != ARCH:
         raise ConvertError(f"{path}: architecture {arch!r} is not {ARCH!r}")
     size = path.stat().st_size

@@ -16,6 +16,7 @@ import numpy as np
 from gguf import GGUFValueType, GGUFWriter, GGMLQuantizationType
 
 from dgemma_convert.errors import ConvertError
+from dgemma_engine.gguf_keys import KEY_ARCHITECTURE
 
 
 class StreamingGGUFWriter:
@@ -34,7 +35,7 @@ class StreamingGGUFWriter:
     # -- metadata and tensor infos (before any data) ------------------------------------------------------------
 
     def add_key_value(self, key: str, value: Any, vtype: GGUFValueType, sub_type: GGUFValueType | None = None) -> None:
-        if key == "general.architecture":  # GGUFWriter writes it first by itself
+        if key == KEY_ARCHITECTURE:  # GGUFWriter writes it first by itself
             if value != self._gguf.arch:
                 raise ConvertError(f"internal error: architecture {value!r} != {self._gguf.arch!r}")
             return

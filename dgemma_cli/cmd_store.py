@@ -18,6 +18,9 @@ from typing import Any, Optional
 
 import typer
 
+from dgemma_engine.gguf_keys import (KEY_ARCHITECTURE, KEY_CANVAS_LENGTH, KEY_CONTEXT_LENGTH, KEY_EMBEDDING_LENGTH,
+                                     for_arch)
+
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gotext import go_value
 from dgemma_cli.names import ModelName
@@ -67,7 +70,7 @@ def diffusion_rows(model_info: dict[str, Any], params: dict[str, Any]) -> list[t
     shown: dict[str, list[str]] = {}
     for s in settings.SAMPLER_SETTINGS:
         shown.setdefault(s.label, []).append(go_value(values[s.field]))
-    canvas = ("canvas length", _info_text(model_info.get("diffusion.canvas_length")))
+    canvas = ("canvas length", _info_text(model_info.get(KEY_CANVAS_LENGTH)))
     return [canvas] + [(label, " → ".join(texts)) for label, texts in shown.items()]
 
 
@@ -110,12 +113,12 @@ def show_info_text(show: dict[str, Any], verbose: bool = False) -> str:
     Tensors)."""
     info = show.get("model_info") or {}
     details = show.get("details") or {}
-    arch = info.get("general.architecture") or details.get("family") or ""
+    arch = info.get(KEY_ARCHITECTURE) or details.get("family") or ""
     lines = _block("Model", [
         ("architecture", arch),
         ("parameters", details.get("parameter_size") or ""),
-        ("context length", _info_text(info.get(f"{arch}.context_length"))),
-        ("embedding length", _info_text(info.get(f"{arch}.embedding_length"))),
+        ("context length", _info_text(info.get(for_arch(KEY_CONTEXT_LENGTH, arch)))),
+        ("embedding length", _info_text(info.get(for_arch(KEY_EMBEDDING_LENGTH, arch)))),
         ("quantization", details.get("quantization_level") or ""),
     ])
     lines += _block("Capabilities", [(c, "") for c in show.get("capabilities") or []])

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from dgemma_engine.arch import ARCH
+from dgemma_engine.gguf_keys import KEY_CANVAS_LENGTH, KEY_CHAT_TEMPLATE, KEY_GENERAL_TYPE, KEY_TOKENIZER_MODEL
 
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gguf_check import GGUFError, GGUFInfo, check_runnable, read_gguf_info
@@ -117,20 +118,20 @@ def validated_gguf(path: Path) -> GGUFInfo:
         info = read_gguf_info(path)
     except GGUFError as exc:
         raise CreateError(f"supplied file was not in GGUF format ({exc})") from None
-    if info.metadata.get("general.type") == "adapter":
+    if info.metadata.get(KEY_GENERAL_TYPE) == "adapter":
         raise CreateError("the model file is a LoRA adapter: name it with ADAPTER and the base model with FROM")
     if info.architecture != ARCH:
         raise CreateError(f'model architecture "{info.architecture or "unknown"}" is not supported by dgemma')
-    if "diffusion.canvas_length" not in info.metadata:
-        raise CreateError("supplied file was not in GGUF format (diffusion.canvas_length is missing)")
+    if KEY_CANVAS_LENGTH not in info.metadata:
+        raise CreateError(f"supplied file was not in GGUF format ({KEY_CANVAS_LENGTH} is missing)")
     try:
         check_runnable(info)
     except GGUFError as exc:
         raise CreateError(f"model file cannot be run: {exc}") from None
-    if "tokenizer.ggml.model" in info.metadata:
+    if KEY_TOKENIZER_MODEL in info.metadata:
         _check_tokenizer(path)
     _check_loadable(path)
-    template = info.metadata.get("tokenizer.chat_template")
+    template = info.metadata.get(KEY_CHAT_TEMPLATE)
     if isinstance(template, str) and template:
         check_jinja_template(template)  # the file's own template is what chats render with
     return info

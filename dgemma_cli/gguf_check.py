@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from dgemma_engine.arch import ARCH
+from dgemma_engine.gguf_keys import (KEY_ALIGNMENT, KEY_ARCHITECTURE, KEY_BLOCK_COUNT, KEY_CANVAS_LENGTH,
+                                     KEY_CONTEXT_LENGTH, KEY_EMBEDDING_LENGTH, KEY_FILE_TYPE, KEY_MERGES, KEY_SCORES,
+                                     KEY_TOKEN_TYPE, KEY_TOKENIZER_MODEL, KEY_TOKENS, SPECIAL_TOKEN_KEYS, for_arch)
 
 from dgemma_cli.errors import DgemmaError
 
@@ -32,16 +37,10 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 T_BOOL, T_STRING, T_ARRAY = 7, 8, 9
 _INT_TYPES = {0, 1, 2, 3, 4, 5, 10, 11}
 
-# ggml tensor types: name, block elements, block bytes (docs/gguf.md#type-numbers plus the other stable ggml types).
-GGML_TYPES: dict[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
-    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
-    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
-    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
-    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
-    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
-}
+# ggml tensor types: name, block elements, block bytes (gguf-py's table; its Q8_1 says 40 bytes, ggml's block_q8_1 has
+# 36).
+_BLOCK_SIZES = {**GGML_QUANT_SIZES, GGMLQuantizationType.Q8_1: (32, 36)}
+GGML_TYPES: dict[int, tuple[str, int, int]] = {int(t): (t.name, *size) for t, size in _BLOCK_SIZES.items()}
 
 # general.file_type (llama_ftype) -> the name Ollama shows as quantization level.
 FILE_TYPES = {
@@ -52,10 +51,9 @@ FILE_TYPES = {
 }
 
 # Keys whose type is fixed by the layout (docs/gguf.md#metadata-keys); a wrong type is as bad as a missing tensor.
-_INTEGER_KEYS = ("block_count", "context_length", "embedding_length")
+_INTEGER_KEYS = (KEY_BLOCK_COUNT, KEY_CONTEXT_LENGTH, KEY_EMBEDDING_LENGTH)  # under the file's own architecture
 MAX_CANVAS_LENGTH = 4096  # DG_MAX_CANVAS in ggml_ext/csrc/engine/engine.h: the engine refuses longer canvases
 TOKENIZER_MODELS = ("gemma4", "llama")
-SPECIAL_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", "mask_token_id")
 _FLOAT_TYPES = {6, 12}
 
 
@@ -102,7 +100,7 @@ class GGUFInfo:
 
     @property
     def architecture(self) -> str:
-        return str(self.metadata.get("general.architecture", ""))
+        return str(self.metadata.get(KEY_ARCHITECTURE, ""))
 
     @property
     def parameter_count(self) -> int:
@@ -110,7 +108,7 @@ class GGUFInfo:
 
     @property
     def file_type(self) -> str:
-        ft = self.metadata.get("general.file_type")
+        ft = self.metadata.get(KEY_FILE_TYPE)
         if isinstance(ft, int) and ft in FILE_TYPES:
             return FILE_TYPES[ft]
         # No file_type key: name the file by its most common weight type, as Ollama does for unknown files.
@@ -237,19 +235,19 @@ def _read_value(r: _Reader, vtype: int, key: str, depth: int = 0, keep: bool = F
 
 
 def _check_typed_keys(metadata: dict[str, Any]) -> None:
-    arch = metadata.get("general.architecture")
+    arch = metadata.get(KEY_ARCHITECTURE)
     if arch is not None and not isinstance(arch, str):
-        raise GGUFError("invalid GGUF: general.architecture must be a string")
+        raise GGUFError(f"invalid GGUF: {KEY_ARCHITECTURE} must be a string")
     if isinstance(arch, str):
-        for suffix in _INTEGER_KEYS:
-            value = metadata.get(f"{arch}.{suffix}")
+        for key in (for_arch(k, arch) for k in _INTEGER_KEYS):
+            value = metadata.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise GGUFError(f"invalid GGUF: {arch}.{suffix} must be a non-negative integer")
-    canvas = metadata.get("diffusion.canvas_length")
+                raise GGUFError(f"invalid GGUF: {key} must be a non-negative integer")
+    canvas = metadata.get(KEY_CANVAS_LENGTH)
     if canvas is not None and (isinstance(canvas, bool) or not isinstance(canvas, int) or canvas <= 0):
-        raise GGUFError("invalid GGUF: diffusion.canvas_length must be a positive integer")
+        raise GGUFError(f"invalid GGUF: {KEY_CANVAS_LENGTH} must be a positive integer")
     if canvas is not None and canvas > MAX_CANVAS_LENGTH:
-        raise GGUFError(f"invalid GGUF: diffusion.canvas_length {canvas} is larger than {MAX_CANVAS_LENGTH}")
+        raise GGUFError(f"invalid GGUF: {KEY_CANVAS_LENGTH} {canvas} is larger than {MAX_CANVAS_LENGTH}")
 
 
 def parse_gguf(buf: bytes | memoryview | mmap.mmap, size: int | None = None,
@@ -283,7 +281,7 @@ def parse_gguf(buf: bytes | memoryview | mmap.mmap, size: int | None = None,
         metadata[key] = _read_value(r, vtype, key, keep=key in keep_arrays)
     _check_typed_keys(metadata)
 
-    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    alignment = metadata.get(KEY_ALIGNMENT, DEFAULT_ALIGNMENT)
     if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise GGUFError(f"invalid GGUF: alignment {alignment!r} is not a power of two")
 
@@ -362,8 +360,8 @@ def check_diffusion_gguf(path: str | os.PathLike) -> GGUFInfo:
     info = read_gguf_info(path)
     if info.architecture != ARCH:
         raise GGUFError(f'model architecture "{info.architecture or "unknown"}" is not supported by dgemma')
-    if "diffusion.canvas_length" not in info.metadata:
-        raise GGUFError("invalid GGUF: diffusion.canvas_length is missing")
+    if KEY_CANVAS_LENGTH not in info.metadata:
+        raise GGUFError(f"invalid GGUF: {KEY_CANVAS_LENGTH} is missing")
     return info
 
 
@@ -400,45 +398,46 @@ def _check_array(metadata: dict[str, Any], key: str, kinds: set[int], what: str,
     if info is None or (info[0] not in kinds and info[1] > 0):
         raise GGUFError(f"{key} must be an array of {what}")
     if length is not None and info[1] != length:
-        raise GGUFError(f"{key} has {info[1]} entries, tokenizer.ggml.tokens has {length}")
+        raise GGUFError(f"{key} has {info[1]} entries, {KEY_TOKENS} has {length}")
 
 
 def check_runnable(info: GGUFInfo) -> None:
     """The metadata checks the engine and its tokenizer apply at load, made at create time so that a model the store
     accepts can run (types of the tokenizer keys, special token ids in range, a context that fits a canvas)."""
     md, arch = info.metadata, info.architecture
-    tokens = md.get("tokenizer.ggml.tokens")
+    tokens = md.get(KEY_TOKENS)
     n_tokens = None
     if tokens is not None:
         array = _array_info(tokens)
         if array is None or array[0] != T_STRING or array[1] == 0:
-            raise GGUFError("tokenizer.ggml.tokens must be a non-empty array of strings")
+            raise GGUFError(f"{KEY_TOKENS} must be a non-empty array of strings")
         n_tokens = array[1]
         if n_tokens > 1 and array[2]:
-            raise GGUFError("tokenizer.ggml.tokens are all the same string")
-    model = md.get("tokenizer.ggml.model")
+            raise GGUFError(f"{KEY_TOKENS} are all the same string")
+    model = md.get(KEY_TOKENIZER_MODEL)
     if model is not None and model not in TOKENIZER_MODELS:
-        raise GGUFError(f"unsupported tokenizer.ggml.model {str(model)[:40]!r} "
+        raise GGUFError(f"unsupported {KEY_TOKENIZER_MODEL} {str(model)[:40]!r} "
                         f"(expected {' or '.join(map(repr, TOKENIZER_MODELS))})")
     if model is not None and tokens is None:
-        raise GGUFError("tokenizer.ggml.tokens is missing")
-    _check_array(md, "tokenizer.ggml.token_type", _INT_TYPES, "integers", n_tokens)
-    _check_array(md, "tokenizer.ggml.scores", _FLOAT_TYPES | _INT_TYPES, "numbers", n_tokens)
-    _check_array(md, "tokenizer.ggml.merges", {T_STRING}, "strings", None)
-    if model == "llama" and "tokenizer.ggml.scores" not in md:
-        raise GGUFError("tokenizer.ggml.scores is missing (needed by the 'llama' tokenizer)")
-    for name in SPECIAL_TOKEN_ID_KEYS:
-        value = md.get(f"tokenizer.ggml.{name}")
+        raise GGUFError(f"{KEY_TOKENS} is missing")
+    _check_array(md, KEY_TOKEN_TYPE, _INT_TYPES, "integers", n_tokens)
+    _check_array(md, KEY_SCORES, _FLOAT_TYPES | _INT_TYPES, "numbers", n_tokens)
+    _check_array(md, KEY_MERGES, {T_STRING}, "strings", None)
+    if model == "llama" and KEY_SCORES not in md:
+        raise GGUFError(f"{KEY_SCORES} is missing (needed by the 'llama' tokenizer)")
+    for key in SPECIAL_TOKEN_KEYS.values():
+        value = md.get(key)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int):
-            raise GGUFError(f"tokenizer.ggml.{name} must be an integer")
+            raise GGUFError(f"{key} must be an integer")
         if n_tokens is not None and not 0 <= value < n_tokens:
-            raise GGUFError(f"tokenizer.ggml.{name} {value} is outside the vocabulary (0..{n_tokens - 1})")
-    context = md.get(f"{arch}.context_length")
-    canvas = md.get("diffusion.canvas_length")
+            raise GGUFError(f"{key} {value} is outside the vocabulary (0..{n_tokens - 1})")
+    context_key = for_arch(KEY_CONTEXT_LENGTH, arch)
+    context = md.get(context_key)
+    canvas = md.get(KEY_CANVAS_LENGTH)
     if not context:
-        raise GGUFError(f"{arch}.context_length is missing or zero")
+        raise GGUFError(f"{context_key} is missing or zero")
     if isinstance(canvas, int) and context <= canvas:
-        raise GGUFError(f"{arch}.context_length {context} leaves no room for a prompt and "
+        raise GGUFError(f"{context_key} {context} leaves no room for a prompt and "
                         f"a canvas of {canvas} tokens")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
 from dgemma_engine.arch import ARCH
+from dgemma_engine.gguf_keys import KEY_ARCHITECTURE
 
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.render import AnswerPrinter, timing_block
@@ -181,7 +182,7 @@ def ensure_model(client: Client, model: str, insecure: bool = False, pull: bool 
         except DgemmaError as pull_error:  # say both: not in the store, and why the pull did not bring it
             raise DgemmaError(f'model "{model}" not found locally, and pulling it failed: {pull_error}') from None
         show = client.show(model)
-    architecture = (show.get("model_info") or {}).get("general.architecture") or (show.get("details") or {}).get("family")
+    architecture = (show.get("model_info") or {}).get(KEY_ARCHITECTURE) or (show.get("details") or {}).get("family")
     if architecture and architecture != ARCH:
         raise DgemmaError(f'model architecture "{architecture}" is not supported by dgemma')
     return show

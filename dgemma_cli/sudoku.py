@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 MODEL_GENERAL_NAME = "dgemma-sudoku"  # general.name of the bundled GGUF (bundle.py converts from a folder so named)
 UNSOLVED_EXIT = 3  # `run`'s exit status when the printed grid is not a solution (1: an error, 130: interrupted)
-USAGE_EXAMPLE = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
 REPL_HINT = ("Type a puzzle: 81 cells row by row, digits with 0 or . for blanks (\"\"\" for several lines). "
              "/? for help.")
 

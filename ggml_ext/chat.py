@@ -20,10 +20,11 @@ import jinja2.utils
 
 from dgemma_engine.chat_budget import BudgetedSandbox, BudgetExceeded, RenderBudget, active_budget
 from dgemma_engine.errors import EngineError
+from dgemma_engine.gguf_keys import KEY_BOS_ID, KEY_EOS_ID, KEY_MASK_ID, KEY_PADDING_ID, KEY_TOKENS, KEY_UNKNOWN_ID
 
 MAX_OUTPUT_CHARS = 4_000_000      # a rendered prompt beyond this is an attack or a mistake
-SPECIAL_TOKEN_KEYS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "padding_token_id",
-                      "unk_token": "unknown_token_id", "mask_token": "mask_token_id"}
+_TEMPLATE_TOKENS = {"bos_token": KEY_BOS_ID, "eos_token": KEY_EOS_ID, "pad_token": KEY_PADDING_ID,
+                    "unk_token": KEY_UNKNOWN_ID, "mask_token": KEY_MASK_ID}  # template variable -> GGUF id key
 
 
 class ChatTemplateError(EngineError):
@@ -179,22 +180,13 @@ def _generate(compiled: jinja2.Template, variables: dict[str, Any]) -> list[str]
     return pieces
 
 
-def render_raw(prompt: str) -> str:
-    """Raw mode: the prompt goes to the tokenizer unchanged (no template, no BOS added)."""
-    return prompt
-
-
 def special_tokens(metadata: dict[str, Any]) -> dict[str, str]:
     """bos_token, eos_token, ... as strings, from the GGUF's tokenizer ids (what HF passes to templates)."""
-    tokens = metadata.get("tokenizer.ggml.tokens")
+    tokens = metadata.get(KEY_TOKENS)
     tokens = list(tokens) if tokens is not None else []
     out = {}
-    for name, key in SPECIAL_TOKEN_KEYS.items():
-        i = metadata.get(f"tokenizer.ggml.{key}")
+    for name, key in _TEMPLATE_TOKENS.items():
+        i = metadata.get(key)
         if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(tokens) and isinstance(tokens[i], str):
             out[name] = tokens[i]  # a malformed id or vocabulary simply gives the template no such token
     return out
-
-
-def chat_template(metadata: dict[str, Any]) -> str | None:
-    return metadata.get("tokenizer.chat_template")

@@ -16,6 +16,7 @@ from typing import Any, Sequence, TextIO
 from dgemma_engine.errors import EngineError
 from dgemma_engine.generate import (CanvasEvent, DoneEvent, SamplerParams, StepEvent, eos_ids_from_metadata, generate,
                                     torch_compatible_sequence)
+from dgemma_engine.gguf_keys import KEY_PADDING_ID
 from dgemma_engine.model import Context, Model
 from dgemma_engine.settings import SettingError, check_values
 
@@ -31,7 +32,7 @@ def run_debug_generation(model: Model, prompt_ids: Sequence[int], params: Sample
     if eos_ids is None:
         eos_ids = eos_ids_from_metadata(model.metadata)
     if pad_id == -1:
-        pad = model.metadata.get("tokenizer.ggml.padding_token_id")
+        pad = model.metadata.get(KEY_PADDING_ID)
         pad_id = int(pad) if pad is not None else None
     n_ctx = len(prompt_ids) + math.ceil(max_new_tokens / C) * C
     canvases: list[CanvasEvent] = []

@@ -199,10 +199,3 @@ class ToolCallStream:
         """What is left at the end: an unclosed call stays text (the model did not finish it)."""
         rest, self.pending = self.pending, ""
         return rest
-
-
-def split_tool_calls(text: str, fmt: ToolCallFormat) -> tuple[str, list[ToolCall]]:
-    """Whole-text form of `ToolCallStream`."""
-    stream = ToolCallStream(fmt)
-    plain, calls = stream.feed(text)
-    return plain + stream.finish(), calls

@@ -1,4 +1,5 @@
-"""The import graph of dgemma's three packages: no cycles, no borrowed private names, client code apart from the server.
+"""The import graph of dgemma's three packages: no cycles (between modules and between the packages themselves), no
+borrowed private names, client code apart from the server.
 
 Imports are read with `ast` from the source files (module level, inside functions and under `TYPE_CHECKING` alike: a
 lazy import is still a dependency), so the test needs neither the C engine nor the optional dependencies. The layering
@@ -21,6 +22,13 @@ CLIENT_SIDE = ("dgemma_cli.client", "dgemma_cli.store_client", "dgemma_cli.rende
                "dgemma_cli.ui", "dgemma_cli.session", "dgemma_cli.names", "dgemma_cli.env", "dgemma_cli.gotext",
                "dgemma_cli.hosts")
 SERVER_PACKAGE = "dgemma_cli.server"
+
+# The packages bottom up: the engine, the converter (which uses the engine's names, settings and errors), the CLI. A
+# package imports only from the ones before it.
+PACKAGE_ORDER = ("dgemma_engine", "dgemma_convert", "dgemma_cli")
+# The one import against that order (docs/architecture.md): `Model.load` converts a PEFT adapter folder with the
+# converter, imported only when such a folder is loaded.
+UPWARD_IMPORTS = {("dgemma_engine.adapters", "dgemma_convert.lora")}
 
 # dgemma_cli's layers, top to bottom (docs/architecture.md): a module imports from its own layer or the ones below.
 LAYERS = (
@@ -234,6 +242,45 @@ def test_no_import_cycles(graph):
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
+def package_edges(modules: dict[str, Module]) -> dict[tuple[str, str], list[str]]:
+    """(importing package, imported package) -> the module imports that make the edge."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for name, module in sorted(modules.items()):
+        for target in sorted(module.imports):
+            here, there = name.split(".")[0], target.split(".")[0]
+            if here != there:
+                edges.setdefault((here, there), []).append(f"{name} -> {target}")
+    return edges
+
+
+def package_cycles(edges, allowed: set[tuple[str, str]] = frozenset()) -> list[list[str]]:
+    """The import cycles between packages, module imports in `allowed` left out."""
+    packages: dict[str, Module] = {}
+    for (here, there), imports in edges.items():
+        if any(tuple(i.split(" -> ")) not in allowed for i in imports):
+            packages.setdefault(here, Module(here, Path(here), True)).imports.add(there)
+            packages.setdefault(there, Module(there, Path(there), True))
+    return find_cycles(packages)
+
+
+def test_no_import_cycles_between_packages(graph):
+    cycles = package_cycles(package_edges(graph), UPWARD_IMPORTS)
+    assert not cycles, "import cycles between packages:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_packages_import_only_the_ones_below(graph):
+    upward = [i for (here, there), imports in package_edges(graph).items()
+              if PACKAGE_ORDER.index(there) > PACKAGE_ORDER.index(here)
+              for i in imports if tuple(i.split(" -> ")) not in UPWARD_IMPORTS]
+    assert not upward, "imports from a package above (engine < convert < cli):\n" + "\n".join(upward)
+
+
+def test_the_upward_import_is_still_there(graph):
+    """UPWARD_IMPORTS lists only imports that exist: one that goes leaves the table."""
+    for importer, target in UPWARD_IMPORTS:
+        assert target in graph[importer].imports, f"{importer} no longer imports {target}: drop it from UPWARD_IMPORTS"
+
+
 def test_no_private_names_of_other_modules(graph):
     uses = [use for module in graph.values() for use in module.private_uses]
     assert not uses, "private names used outside their module:\n" + "\n".join(uses)
@@ -296,3 +343,9 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     assert [use.split(": ")[-1] for use in modules["p.b"].private_uses] == ["p.a._helper"]
     assert [use.split(": ")[-1] for use in modules["p.c"].private_uses] == ["q._inner"]
     assert private_member("p.b.__version__", modules) is None
+    edges = package_edges(modules)
+    assert edges == {("p", "q"): ["p.c -> q._inner"]} and package_cycles(edges) == []
+    modules["q._inner"].path.write_text("import p.a\n")
+    analyse(modules["q._inner"], modules)
+    assert package_cycles(package_edges(modules)) == [["p", "q"]]
+    assert package_cycles(package_edges(modules), {("q._inner", "p.a")}) == []

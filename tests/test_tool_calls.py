@@ -2,12 +2,19 @@
 import jinja2
 from hypothesis import given, settings, strategies as st
 
-from dgemma_engine.tool_calls import (FORMATS, ToolCall, ToolCallStream, format_for_template, parse_gemma4_body,
-                                      split_tool_calls)
+from dgemma_engine.tool_calls import (FORMATS, ToolCall, ToolCallFormat, ToolCallStream, format_for_template,
+                                      parse_gemma4_body)
 from surface_capture import FIXTURES
 
 GEMMA4 = FORMATS[0]
 TEMPLATE = (FIXTURES / "tiny-a" / "chat_template.jinja").read_text()
+
+
+def split_tool_calls(text: str, fmt: ToolCallFormat) -> tuple[str, list[ToolCall]]:
+    """Whole-text form of `ToolCallStream`."""
+    stream = ToolCallStream(fmt)
+    plain, calls = stream.feed(text)
+    return plain + stream.finish(), calls
 
 
 def render_call(name, arguments):

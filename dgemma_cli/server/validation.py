@@ -74,13 +74,6 @@ def invalid_unicode(field: str, code_point: str) -> RequestError:
     return RequestError(f"invalid Unicode in {shown}: lone surrogate {code_point}")
 
 
-def check_text(field: str, text: str) -> None:
-    """The string rule on its own, for text that does not come from a JSON body (a path parameter)."""
-    found = lone_surrogate(text)
-    if found is not None:
-        raise invalid_unicode(field, found)
-
-
 def _join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
 

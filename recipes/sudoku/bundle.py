@@ -139,10 +139,11 @@ def convert(checkpoint: Path, gguf: Path, outtype: str) -> None:
 
 
 def check_gguf(gguf: Path, vocab_size: int) -> dict:
+    from dgemma_engine.gguf_keys import KEY_FILE_TYPE, KEY_NAME
     from dgemma_engine.model import Model
 
     with Model.load(str(gguf), threads=1) as model:
-        name = model.metadata.get("general.name")
+        name = model.metadata.get(KEY_NAME)
         if name != GENERAL_NAME:
             raise SystemExit(f"{gguf}: general.name is {name!r}, expected {GENERAL_NAME!r}")
         from dgemma_engine.tasks import SUDOKU, task_name
@@ -152,7 +153,7 @@ def check_gguf(gguf: Path, vocab_size: int) -> dict:
         if model.hparams.n_vocab != vocab_size or model.hparams.canvas_length != 81:
             raise SystemExit(f"{gguf}: vocabulary {model.hparams.n_vocab} / canvas {model.hparams.canvas_length}, "
                              f"expected {vocab_size} / 81")
-        return {"n_vocab": model.hparams.n_vocab, "file_type": int(model.metadata["general.file_type"])}
+        return {"n_vocab": model.hparams.n_vocab, "file_type": int(model.metadata[KEY_FILE_TYPE])}
 
 
 def main() -> None:
