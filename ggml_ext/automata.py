@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from dgemma_engine.constrained import ConstraintError, TokenAutomaton, schema_regex, token_bytes
+from dgemma_engine import gguf_keys
 
 CACHE_LAYOUT = 1            # raised when token_bytes or the cache files change meaning
 CHILD_NICENESS = 19         # compiles take only the CPU that generations leave
@@ -74,8 +75,8 @@ class Vocabulary:
 
         from dgemma_engine.generate import eos_ids_from_metadata  # not at the top: the compile child never needs it
 
-        tokens = list(metadata.get("tokenizer.ggml.tokens") or [])
-        token_types = metadata.get("tokenizer.ggml.token_type")
+        tokens = list(metadata.get(gguf_keys.KEY_TOKENS) or [])
+        token_types = metadata.get(gguf_keys.KEY_TOKEN_TYPE)
         stop_ids = tuple(int(t) for t in eos_ids_from_metadata(metadata))
         if not stop_ids:
             raise ConstraintError("structured output needs a stop token")

@@ -34,6 +34,7 @@ from dgemma_engine.errors import EngineError
 from dgemma_engine.events import CanvasEvent, DoneEvent, Event, GenerationStats, StepEvent
 from dgemma_engine.sampler import Sampler
 from dgemma_engine.settings import SamplerParams  # re-exported: callers import it from here
+from dgemma_engine import gguf_keys
 
 if TYPE_CHECKING:
     from dgemma_engine.constrained import CanvasConstraint
@@ -54,13 +55,13 @@ def eos_ids_from_metadata(metadata: dict[str, Any]) -> tuple[int, ...]:
     those tokens at those ids (the released Gemma 4 tokenizer), use the released set; otherwise the file's eos id
     plus the ids of any tokens named `<turn|>` / `<|tool_response>` (a Gemma-4-style vocabulary laid out
     differently)."""
-    tokens = metadata.get("tokenizer.ggml.tokens")
+    tokens = metadata.get(gguf_keys.KEY_TOKENS)
     tokens = list(tokens) if tokens is not None else []
     if len(tokens) > max(RELEASED_EOS_IDS) and all(
             tokens[i] == name for i, name in zip(RELEASED_EOS_IDS, RELEASED_EOS_TOKENS)):
         return RELEASED_EOS_IDS
     ids: list[int] = []
-    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    eos = metadata.get(gguf_keys.KEY_EOS_ID)
     if eos is not None:
         ids.append(int(eos))
     for name in RELEASED_EOS_TOKENS[1:]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dgemma_engine.errors import DgemmaError
+from dgemma_engine import gguf_keys
 
 TASK_KEY = "diffusion.task"  # GGUF string: the task the model was trained on (absent: a text model)
 SUDOKU = "sudoku"
@@ -211,4 +212,4 @@ def task_for(metadata: Mapping[str, Any]) -> SudokuTask | None:
         return None
     if name != SUDOKU:
         raise DgemmaError(f"the model's task {name!r} is not one this dgemma knows (known: {SUDOKU})")
-    return SudokuTask.for_vocabulary(list(metadata.get("tokenizer.ggml.tokens") or ()))
+    return SudokuTask.for_vocabulary(list(metadata.get(gguf_keys.KEY_TOKENS) or ()))

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
 from dgemma_engine.errors import EngineError
+from dgemma_engine import gguf_keys
 
 SPACE_MARK = "▁"  # U+2581, SentencePiece's visible space
 TYPE_NORMAL, TYPE_UNKNOWN, TYPE_CONTROL, TYPE_USER_DEFINED, TYPE_UNUSED, TYPE_BYTE = 1, 2, 3, 4, 5, 6
@@ -53,17 +54,16 @@ class Tokenizer:
 
     @classmethod
     def _from_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
-        model = metadata.get("tokenizer.ggml.model")
-        tokens = _as_list(metadata.get("tokenizer.ggml.tokens"))
+        model = metadata.get(gguf_keys.KEY_TOKENIZER_MODEL)
+        tokens = _as_list(metadata.get(gguf_keys.KEY_TOKENS))
         if not tokens:
             raise EngineError("the GGUF has no tokenizer.ggml.tokens: cannot tokenize")
-        types = [int(t) for t in _as_list(metadata.get("tokenizer.ggml.token_type"))] or [TYPE_NORMAL] * len(tokens)
+        types = [int(t) for t in _as_list(metadata.get(gguf_keys.KEY_TOKEN_TYPE))] or [TYPE_NORMAL] * len(tokens)
         if len(types) != len(tokens):
             raise EngineError("tokenizer.ggml.token_type and tokenizer.ggml.tokens differ in length")
         special_ids = {}
-        for role, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"),
-                          ("pad", "padding_token_id"), ("mask", "mask_token_id")):
-            value = metadata.get(f"tokenizer.ggml.{key}")
+        for role, key in gguf_keys.SPECIAL_TOKEN_KEYS.items():
+            value = metadata.get(key)
             if value is not None and 0 <= int(value) < len(tokens):
                 special_ids[role] = int(value)
         unk = tokens[special_ids["unk"]] if "unk" in special_ids else None
@@ -72,14 +72,14 @@ class Tokenizer:
             vocab.setdefault(tok, i)
 
         if model == "gemma4":
-            merges = [_split_merge(m) for m in _as_list(metadata.get("tokenizer.ggml.merges"))]
+            merges = [_split_merge(m) for m in _as_list(metadata.get(gguf_keys.KEY_MERGES))]
             add_space_prefix = False
         elif model == "llama":
-            scores = [float(s) for s in _as_list(metadata.get("tokenizer.ggml.scores"))]
+            scores = [float(s) for s in _as_list(metadata.get(gguf_keys.KEY_SCORES))]
             if len(scores) != len(tokens):
                 raise EngineError("tokenizer.ggml.scores and tokenizer.ggml.tokens differ in length")
             merges = _merges_from_scores(tokens, scores, types)
-            add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+            add_space_prefix = bool(metadata.get(gguf_keys.KEY_ADD_SPACE_PREFIX, True))
         else:
             raise EngineError(f"unsupported tokenizer model {model!r} (expected 'gemma4' or 'llama')")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 
 from dgemma_engine import arch, gguf_keys, settings, tasks
 
@@ -37,20 +36,6 @@ HOMES = names_and_homes()
 NAMESPACES = ("general.", "tokenizer.ggml.", "tokenizer.", "diffusion.", "adapter.", "adapter.lora.",
               arch.ARCH + ".")
 ARCH_SUFFIXES = {key.removeprefix(arch.ARCH) for key in HOMES if key.startswith(arch.ARCH + ".")}
-
-# Modules another change owns (the server and engine refactor of issue 27) that still spell names; they take the
-# names from their homes when that change lands, and this table shrinks to nothing.
-NOT_YET = {
-    "ggml_ext/automata.py": {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type"},
-    "ggml_ext/generate.py": {"tokenizer.ggml.tokens", "tokenizer.ggml.eos_token_id"},
-    "ggml_ext/tasks.py": {"tokenizer.ggml.tokens"},
-    "ggml_ext/tokenizer.py": {"tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
-                              "tokenizer.ggml.", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
-                              "tokenizer.ggml.add_space_prefix"},
-    "dgemma_cli/server/runner.py": {"tokenizer.chat_template", "general.architecture"},
-    "dgemma_cli/server/services.py": {"general.name", "tokenizer.chat_template", "general.architecture"},
-}
-
 
 def spelled_names(path: Path) -> set[str]:
     """The GGUF names (or name-building f-string pieces) a source file spells."""
@@ -91,16 +76,10 @@ def test_no_product_module_spells_a_gguf_name_outside_its_home():
     offences = []
     for path in product_files():
         rel = path.relative_to(ROOT).as_posix()
-        extra = {n for n in spelled_names(path) if HOMES.get(n) != rel} - NOT_YET.get(rel, set())
+        extra = {n for n in spelled_names(path) if HOMES.get(n) != rel}
         offences += [f"{rel}: {n!r}" for n in sorted(extra)]
     assert not offences, "import these from their home (dgemma_engine.arch / gguf_keys / settings / tasks):\n" + \
         "\n".join(offences)
-
-
-@pytest.mark.parametrize("rel", sorted(NOT_YET))
-def test_the_not_yet_table_is_current(rel):
-    """An entry goes as soon as its module imports the names."""
-    assert NOT_YET[rel] <= spelled_names(ROOT / rel), f"remove what {rel} no longer spells from NOT_YET"
 
 
 def test_the_check_sees_what_it_looks_for(tmp_path):

@@ -15,6 +15,7 @@ from dgemma_engine.arch import ARCH
 from dgemma_cli.server import gotemplate
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import SamplerSettings
+from dgemma_engine import gguf_keys
 
 
 class Runner(Protocol):
@@ -83,7 +84,7 @@ def jinja_template_text(local_model: Any, metadata: dict) -> str | None:
     config = getattr(local_model, "config", None) or {}
     if template and config.get("template_format") == "jinja":
         return template
-    chat_template = metadata.get("tokenizer.chat_template")
+    chat_template = metadata.get(gguf_keys.KEY_CHAT_TEMPLATE)
     return str(chat_template) if chat_template else None
 
 
@@ -142,7 +143,7 @@ class EngineRunner:
         try:
             hparams = self.model.hparams
             self.metadata = dict(self.model.metadata)
-            architecture = self.metadata.get("general.architecture")
+            architecture = self.metadata.get(gguf_keys.KEY_ARCHITECTURE)
             if architecture != ARCH:
                 raise RequestError(f'model architecture "{architecture}" is not supported by dgemma')
             self.canvas_length = int(hparams.canvas_length)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dgemma_cli import env
+from dgemma_engine import gguf_keys
 
 log = logging.getLogger("dgemma.server")
 
@@ -33,7 +34,7 @@ CACHE_SIZE = 8                  # automata kept in memory ("any JSON object" at 
 VOCABULARIES = 4                # vocabularies kept in memory, by GGUF path
 REFUSALS = 256                  # (vocabulary, schema) pairs known to exceed the CPU limit: refused again at once
 WALL_LIMIT_FACTOR = 30          # a compile starved of CPU by generations is given up after this × its CPU limit
-VOCABULARY_KEYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.token_type"})
+VOCABULARY_KEYS = frozenset({gguf_keys.KEY_TOKENS, gguf_keys.KEY_TOKEN_TYPE})
 BACKGROUND_CPU_LIMIT_S = 1800.0  # "any JSON object" takes ~95 CPU seconds at 262k tokens; a crafted vocabulary less
 
 

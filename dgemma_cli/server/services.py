@@ -20,6 +20,7 @@ from dgemma_cli.server.runner import ChatTemplate, jinja_template_text, tool_for
 from dgemma_cli.server.scheduler import PLACEMENT_OPTIONS, Scheduler
 from dgemma_cli.store import ModelNotFoundError, Store
 from dgemma_cli.wire import AdapterInfo, ModelDetails, ShowResponse, TensorInfo
+from dgemma_engine import gguf_keys
 
 log = logging.getLogger("dgemma.server")
 
@@ -144,16 +145,16 @@ class Services:
         metadata = info.metadata if info is not None else {}
         model_info: dict[str, Any] = {}
         for key, value in metadata.items():
-            if key in ("general.name", "tokenizer.chat_template"):
+            if key in (gguf_keys.KEY_NAME, gguf_keys.KEY_CHAT_TEMPLATE):
                 continue
             if isinstance(value, ArraySummary):
                 value = []
             elif isinstance(value, list | tuple) and len(value) > MODEL_INFO_ARRAY_LIMIT and not verbose:
                 value = []
             model_info[key] = _jsonable(value)
-        template = local.template or metadata.get("tokenizer.chat_template") or ""
+        template = local.template or metadata.get(gguf_keys.KEY_CHAT_TEMPLATE) or ""
         capabilities = ["completion"]
-        if metadata.get("general.architecture", (local.config or {}).get("model_family")) == ARCH:
+        if metadata.get(gguf_keys.KEY_ARCHITECTURE, (local.config or {}).get("model_family")) == ARCH:
             capabilities.append("diffusion")
         if tool_format_of(ChatTemplate("jinja", jinja_template_text(local, metadata) or "")) is not None:
             capabilities.append("tools")  # before thinking, in Ollama's order
