@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-
 from dgemma_engine import arch, gguf_keys, settings, tasks
 
 ROOT = Path(__file__).resolve().parent.parent
