@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import re
 import statistics
 import sys
@@ -185,16 +184,8 @@ def in_process_server() -> Iterator[str]:
 
     with tempfile.TemporaryDirectory() as store_dir:
         register_bundled(Store(Path(store_dir)), ModelName.parse("sudoku"))
-        saved = os.environ.get("DGEMMA_MODELS")
-        os.environ["DGEMMA_MODELS"] = store_dir
-        try:
-            server = LocalServer()
-            server.start()
-        finally:
-            if saved is None:
-                os.environ.pop("DGEMMA_MODELS")
-            else:
-                os.environ["DGEMMA_MODELS"] = saved
+        server = LocalServer(models_dir=store_dir)
+        server.start()
         try:
             yield server.url
         finally:

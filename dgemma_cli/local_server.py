@@ -25,7 +25,8 @@ class LocalServer:
     """The REST app served by uvicorn in a daemon thread on `127.0.0.1:<ephemeral>` (bound before the thread starts,
     so there is no port race). Store pruning is left to `dgemma serve`: a one-shot command must not delete files."""
 
-    def __init__(self) -> None:
+    def __init__(self, models_dir: str | None = None) -> None:
+        """models_dir: serve this store instead of DGEMMA_MODELS' (benchmarks and tests)."""
         import uvicorn
 
         from dgemma_cli.hosts import HostAddress
@@ -39,6 +40,8 @@ class LocalServer:
         config = ServerConfig.from_env()
         config.host = HostAddress("http", "127.0.0.1", port)
         config.noprune = True
+        if models_dir is not None:
+            config.models_dir = str(models_dir)
         if not config.debug:
             # The command's own output is what the user reads: failures reach it as the server's `{"error": ...}`
             # answers, so the server's log lines (and their tracebacks) are not printed as well.

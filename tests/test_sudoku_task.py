@@ -5,7 +5,6 @@ The first half drives `run_task` with a scripted runner (which answers each try 
 the README's puzzles to the bundled model through the real `ollama` Python client."""
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
@@ -219,17 +218,8 @@ def server_url(tmp_path_factory):
     """The REST app in-process on a fresh store (the bundled model registers itself on first use)."""
     from dgemma_cli.local_server import LocalServer
 
-    store = tmp_path_factory.mktemp("sudoku-task-store")
-    saved = os.environ.get("DGEMMA_MODELS")
-    os.environ["DGEMMA_MODELS"] = str(store)
-    try:
-        server = LocalServer()
-        server.start()
-    finally:
-        if saved is None:
-            os.environ.pop("DGEMMA_MODELS")
-        else:
-            os.environ["DGEMMA_MODELS"] = saved
+    server = LocalServer(models_dir=str(tmp_path_factory.mktemp("sudoku-task-store")))
+    server.start()
     yield server.url
     server.stop()
 
