@@ -224,3 +224,18 @@ def test_num_predict_too_small_for_the_format_is_a_400(served, automata):
         ollama_client.generate(model="c8", prompt="Who?", format=PERSON, options={"num_predict": 3})
     assert err.value.status_code == 400
     assert err.value.error == f"num_predict 3 is too small for this format: its shortest value takes {shortest} tokens"
+
+
+def test_a_value_filling_num_predict_to_a_canvas_edge_stops(served):
+    """num_predict a whole number of canvases: a value that uses every token has its stop id as the first token of
+    the next canvas, which the answer must still see ("stop", not "length"). Random weights write long strings, so
+    most seeds fill the budget exactly."""
+    ollama_client, _ = served
+    filled = 0
+    for seed in range(8):
+        answer = ollama_client.chat(model="c8", messages=[{"role": "user", "content": "Who?"}], format=PERSON,
+                                    options={"num_predict": 32, "seed": seed})
+        jsonschema.validate(json.loads(answer.message.content), PERSON)
+        assert answer.done_reason == "stop", (seed, answer.eval_count, answer.message.content)
+        filled += answer.eval_count == 32
+    assert filled > 0, "no seed filled the budget: the case this test is for never ran"

@@ -261,8 +261,11 @@ def run_generation(
                     ids = list(event.ids)  # committed tokens, already cut before the first EOS
                     text = event.text
                     limit, length = plan.token_limit, len(answer_ids) + len(ids)
-                    # an EOS right at the limit ends the text on its own ("stop"): only more tokens are cut
-                    cut = limit is not None and (length > limit or (length == limit and event.eos_position is None))
+                    # an EOS right at the limit ends the text on its own ("stop"): only more tokens are cut. With an
+                    # output format, a value that fills the limit to a canvas edge has its stop id first in the next
+                    # canvas (the plan holds one for it): that canvas decides.
+                    at_edge = length == limit and event.eos_position is None and plan.constraint is None
+                    cut = limit is not None and (length > limit or at_edge)
                     if cut:
                         ids = ids[: plan.token_limit - len(answer_ids)]
                         full = runner.detokenize(answer_ids + ids)
