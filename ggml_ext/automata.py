@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from dgemma_engine.constrained import ConstraintError, TokenAutomaton, schema_regex, token_bytes
+from dgemma_engine.constrained import ConstraintError, TokenAutomaton, compile_token_map, text_token_map
 from dgemma_engine import gguf_keys
 
 CACHE_LAYOUT = 1            # raised when token_bytes or the cache files change meaning
@@ -78,17 +78,7 @@ class Vocabulary:
         tokens = list(metadata.get(gguf_keys.KEY_TOKENS) or [])
         token_types = metadata.get(gguf_keys.KEY_TOKEN_TYPE)
         stop_ids = tuple(int(t) for t in eos_ids_from_metadata(metadata))
-        if not stop_ids:
-            raise ConstraintError("structured output needs a stop token")
-        token_map = token_bytes(tokens, token_types)
-        stops = set(stop_ids)
-        for written, ids in list(token_map.items()):
-            if not stops.isdisjoint(ids):  # a stop id ends the value; it is never written inside it
-                kept = [i for i in ids if i not in stops]
-                if kept:
-                    token_map[written] = kept
-                else:
-                    del token_map[written]
+        token_map = text_token_map(tokens, token_types, stop_ids)
         # the token_bytes rules and outlines-core's version decide the automata too
         named = json.dumps([CACHE_LAYOUT, version("outlines_core"), list(stop_ids), tokens,
                             None if token_types is None else [int(t) for t in token_types]])
@@ -97,20 +87,8 @@ class Vocabulary:
 
 def compile_for_vocabulary(schema: dict[str, Any] | None, vocabulary: Vocabulary) -> TokenAutomaton:
     """The automaton of `schema` (None: any JSON object) over `vocabulary`, in this process."""
-    from outlines_core import Index
-    from outlines_core import Vocabulary as OutlinesVocabulary
+    return compile_token_map(schema, vocabulary.token_map, vocabulary.stop_ids)
 
-    try:
-        index = Index(schema_regex(schema), OutlinesVocabulary(vocabulary.stop_ids[0], vocabulary.token_map))
-    except ConstraintError:
-        raise
-    except Exception as exc:
-        raise ConstraintError(f"cannot compile the JSON schema for this vocabulary: {exc}") from exc
-    return TokenAutomaton.build(index.get_transitions(), index.get_initial_state(), index.get_final_states(),
-                                vocabulary.stop_ids)
-
-
-# ---- cache files ---------------------------------------------------------------------------------------------------
 
 def _layout() -> str:
     """Names the TokenAutomaton layout the files hold: files of another layout are never opened."""

@@ -124,27 +124,35 @@ class TokenAutomaton:
         return automaton
 
 
-def compile_constraint(schema: dict[str, Any] | None, tokens: Sequence[str], token_types: Sequence[int] | None,
-                       stop_ids: Sequence[int]) -> TokenAutomaton:
-    """A JSON schema (None: any object) → token automaton for this vocabulary, ending in one of `stop_ids`."""
-    from outlines_core import Index, Vocabulary
-
+def text_token_map(tokens: Sequence[str], token_types: Sequence[int] | None,
+                   stop_ids: Sequence[int]) -> dict[bytes, list[int]]:
+    """token_bytes without the stop ids: a stop id ends the value, it is never written inside it."""
     if not stop_ids:
         raise ConstraintError("structured output needs a stop token")
-    vocab_map = token_bytes(tokens, token_types)
-    for stop in stop_ids:
-        for ids in vocab_map.values():
-            if stop in ids:
-                ids.remove(stop)
-    vocab_map = {k: v for k, v in vocab_map.items() if v}
+    stops = {int(t) for t in stop_ids}
+    kept = {written: [i for i in ids if i not in stops] for written, ids in token_bytes(tokens, token_types).items()}
+    return {written: ids for written, ids in kept.items() if ids}
+
+
+def compile_token_map(schema: dict[str, Any] | None, token_map: dict[bytes, list[int]],
+                      stop_ids: Sequence[int]) -> TokenAutomaton:
+    """A JSON schema (None: any object) → token automaton over `token_map` (text_token_map), ending in a stop id."""
+    from outlines_core import Index, Vocabulary
+
     try:
-        index = Index(schema_regex(schema), Vocabulary(int(stop_ids[0]), vocab_map))
+        index = Index(schema_regex(schema), Vocabulary(int(stop_ids[0]), token_map))
     except ConstraintError:
         raise
     except Exception as exc:
         raise ConstraintError(f"cannot compile the JSON schema for this vocabulary: {exc}") from exc
     return TokenAutomaton.build(index.get_transitions(), index.get_initial_state(), index.get_final_states(),
                                 stop_ids)
+
+
+def compile_constraint(schema: dict[str, Any] | None, tokens: Sequence[str], token_types: Sequence[int] | None,
+                       stop_ids: Sequence[int]) -> TokenAutomaton:
+    """A JSON schema (None: any object) → token automaton for this vocabulary, ending in one of `stop_ids`."""
+    return compile_token_map(schema, text_token_map(tokens, token_types, stop_ids), stop_ids)
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
