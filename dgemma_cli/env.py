@@ -207,9 +207,12 @@ CLIENT = (NOHISTORY,) + PULL
 PROFILE_NODES = Var("DGEMMA_PROFILE_NODES", "any", None, "unset",
                     "a profiled step (`Context.step_profiled`) prints one line per graph node: its class, op, "
                     "shapes and seconds (bench notes)")
-QKERNELS = Var("DGEMMA_QKERNELS", "`auto`, `avx2`, `scalar`, `off`", None, "auto",
-               "quantized weight products: the engine's integer kernels on that path, or ggml's own ops (`off`); "
-               "a path this CPU lacks means ggml's ops")
+QKERNELS = Var("DGEMMA_QKERNELS", "`auto`, `avx512`, `avxvnni`, `avx2`, `scalar`, `off`", None, "auto",
+               "quantized weight products: the engine's integer kernels on that path (`auto`: the best under "
+               "`DGEMMA_CPU_ISA`), or ggml's own ops (`off`); a path this CPU lacks means ggml's ops")
+CPU_ISA = Var("DGEMMA_CPU_ISA", "`auto`, `avx512`, `avxvnni`, `avx2`, `none`", None, "auto",
+              "the highest instruction set the engine's own CPU kernels use (F32 tiles, soft embedding, the "
+              "quantized kernels' `auto`); `auto`: the best this CPU has (tests and benchmarks force each path)")
 STANDARD_OPS = Var("DGEMMA_STANDARD_OPS", "boolean", False, "unset",
                    "the standard-op graph (what accelerators run) on the CPU too, without the fast custom ops (tests)",
                    parse_bool)
@@ -217,7 +220,7 @@ STANDARD_OPS = Var("DGEMMA_STANDARD_OPS", "boolean", False, "unset",
 RPC = Var("DGEMMA_RPC", "list", (), "",
           "ggml RPC servers (`host:port`, comma-separated) whose devices take layers like GPUs; unauthenticated: "
           "loopback or a private network only", _comma_list)
-ENGINE = (PROFILE_NODES, STANDARD_OPS, RPC, QKERNELS)
+ENGINE = (PROFILE_NODES, STANDARD_OPS, RPC, QKERNELS, CPU_ISA)
 
 # Read by the converter itself (dgemma_convert.fast_quant), listed here so the table is complete.
 FAST_QUANT = Var("DGEMMA_FAST_QUANT", "boolean", True, "on",
@@ -226,7 +229,7 @@ CONVERT = (FAST_QUANT,)
 
 # What a `dgemma serve` process reads (its --help lists them): its own, the pulls' (it pulls), the engine's (it loads
 # models; not the profiler's, which only profiled bench steps read) and the converter's (`create --quantize`).
-SERVE = SERVER + PULL + (STANDARD_OPS, RPC, QKERNELS) + CONVERT
+SERVE = SERVER + PULL + (STANDARD_OPS, RPC, QKERNELS, CPU_ISA) + CONVERT
 
 ALL = SERVER + CLIENT + ENGINE + CONVERT
 

@@ -120,8 +120,8 @@ DEFINE_TILE_KERNEL(avx2, "avx2,fma", 3, __m256, 8, _mm256_setzero_ps, _mm256_loa
 typedef enum { ISA_NONE, ISA_AVX2, ISA_AVX512 } cpu_isa;
 
 static cpu_isa detect_isa(void) {
-    if (dg_cpu_has_avx512f()) return ISA_AVX512;
-    return dg_cpu_has_avx2_fma() ? ISA_AVX2 : ISA_NONE;
+    const dg_isa isa = dg_cpu_isa();
+    return isa >= DG_ISA_AVX512 ? ISA_AVX512 : isa >= DG_ISA_AVX2 ? ISA_AVX2 : ISA_NONE;
 }
 #else
 typedef enum { ISA_NONE } cpu_isa;

@@ -129,7 +129,7 @@ struct ggml_tensor *dg_build_f32_matmul(struct ggml_context *ctx, struct ggml_te
     const bool fits = w->type == GGML_TYPE_F32 && x->type == GGML_TYPE_F32 && w->ne[0] == x->ne[0] &&
                       w->ne[2] == 1 && w->ne[3] == 1 && x->ne[2] == 1 && x->ne[3] == 1 && w->nb[0] == sizeof(float) &&
                       x->nb[0] == sizeof(float) && w->nb[1] % sizeof(float) == 0;
-    if (!fits || !dg_cpu_has_avx2_fma_f16c()) return NULL;  // the quantized kernels' CPU check
+    if (!fits || dg_cpu_isa() < DG_ISA_AVX2) return NULL;
     struct ggml_tensor *args[2] = {w, x};
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, f32_matmul_op, GGML_N_TASKS_MAX,
                           NULL);

@@ -57,7 +57,7 @@ static void gelu_mul_op(struct ggml_tensor *dst, int ith, int nth, void *userdat
     const struct ggml_tensor *gate = dst->src[0], *up = dst->src[1];
     const int64_t n = gate->ne[0], rows = ggml_nrows(gate);
 #if defined(__x86_64__) && defined(__GNUC__)
-    const bool avx2 = dg_cpu_has_avx2_fma_f16c();  // the quantized kernels' CPU check
+    const bool avx2 = dg_cpu_isa() >= DG_ISA_AVX2;
 #endif
     for (int64_t r = rows * ith / nth; r < rows * (ith + 1) / nth; r++) {
         const int64_t i1 = r % gate->ne[1], i2 = r / gate->ne[1] % gate->ne[2], i3 = r / gate->ne[1] / gate->ne[2];
@@ -121,7 +121,7 @@ static void softcap_op(struct ggml_tensor *dst, int ith, int nth, void *userdata
     memcpy(&cap, &userdata, sizeof cap);
     const int64_t n = x->ne[0], rows = ggml_nrows(x);
 #if defined(__x86_64__) && defined(__GNUC__)
-    const bool avx2 = dg_cpu_has_avx2_fma_f16c();  // the quantized kernels' CPU check
+    const bool avx2 = dg_cpu_isa() >= DG_ISA_AVX2;
 #endif
     for (int64_t r = rows * ith / nth; r < rows * (ith + 1) / nth; r++) {
         const float *xr = (const float *)((const char *)x->data + r * x->nb[1]);

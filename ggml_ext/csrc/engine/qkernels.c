@@ -68,7 +68,7 @@ bool dg_qk_supports(enum ggml_type type, int64_t kd) {
 bool dg_qk_path_available(dg_qk_path path) {
     switch (path) {
         case DG_QK_SCALAR: return true;
-        case DG_QK_AVX2: return dg_cpu_has_avx2_fma_f16c();
+        case DG_QK_AVX2: return dg_cpu_has_isa(DG_ISA_AVX2);
         default: return false;  // DG_QK_OFF is not a kernel path; AVX-512 VNNI kernels are not written yet
     }
 }

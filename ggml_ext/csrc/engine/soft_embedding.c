@@ -224,7 +224,7 @@ ggml_to_float_t dg_row_dequantizer(enum ggml_type type, bool avx2) {
 
 int dg_soft_embedding_isa(void) {
 #ifdef DG_X86
-    if (dg_cpu_has_avx2_fma()) return 1;
+    if (dg_cpu_isa() >= DG_ISA_AVX2) return 1;
 #endif
     return 0;
 }
