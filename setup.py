@@ -42,7 +42,8 @@ engine = Extension(
 )
 # The engine's test hooks (kernel checks, the matmul bench) with the kernel sources they exercise: loaded by tests/ and
 # bench/ only, so the product library exports none of them.
-HOOKED_KERNELS = ["cpu", "error", "ops", "f32_matmul", "qkernels", "qkernels_avx2", "expert_matmul", "soft_embedding"]
+HOOKED_KERNELS = ["cpu", "error", "ops", "f32_matmul", "qkernels", "qkernels_avx2", "qkernels_avxvnni", "qkernels_avx512",
+                  "expert_matmul", "soft_embedding"]
 engine_tests = Extension(
     "dgemma_engine._engine_tests",
     sources=sorted(glob.glob("ggml_ext/csrc/engine_tests/*.c"))

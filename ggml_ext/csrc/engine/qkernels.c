@@ -69,7 +69,9 @@ bool dg_qk_path_available(dg_qk_path path) {
     switch (path) {
         case DG_QK_SCALAR: return true;
         case DG_QK_AVX2: return dg_cpu_has_isa(DG_ISA_AVX2);
-        default: return false;  // DG_QK_OFF is not a kernel path; AVX-512 VNNI kernels are not written yet
+        case DG_QK_AVXVNNI: return dg_cpu_has_isa(DG_ISA_AVXVNNI);
+        case DG_QK_AVX512: return dg_cpu_has_isa(DG_ISA_AVX512);
+        default: return false;  // DG_QK_OFF is not a kernel path
     }
 }
 
@@ -78,9 +80,15 @@ dg_qk_path dg_qk_default_path(void) {
     if (v && !strcmp(v, "off")) return DG_QK_OFF;
     if (v && !strcmp(v, "scalar")) return DG_QK_SCALAR;
     if (v && !strcmp(v, "avx2")) return DG_QK_AVX2;
-    if (dg_qk_path_available(DG_QK_AVX512)) return DG_QK_AVX512;
+    if (v && !strcmp(v, "avxvnni")) return DG_QK_AVXVNNI;
+    if (v && !strcmp(v, "avx512")) return DG_QK_AVX512;
     // the portable kernels are slower than ggml's SIMD dot products: auto never picks them
-    return dg_qk_path_available(DG_QK_AVX2) ? DG_QK_AVX2 : DG_QK_OFF;
+    switch (dg_cpu_isa()) {
+        case DG_ISA_AVX512: return DG_QK_AVX512;
+        case DG_ISA_AVXVNNI: return DG_QK_AVXVNNI;
+        case DG_ISA_AVX2: return DG_QK_AVX2;
+        default: return DG_QK_OFF;
+    }
 }
 
 static dg_qk_kernel kernel_for(dg_qk_path path, enum ggml_type type) {
@@ -88,6 +96,8 @@ static dg_qk_kernel kernel_for(dg_qk_path path, enum ggml_type type) {
     switch (path) {
         case DG_QK_SCALAR: return dg_qk_scalar_kernel(type);
         case DG_QK_AVX2: return dg_qk_avx2_kernel(type);
+        case DG_QK_AVXVNNI: return dg_qk_avxvnni_kernel(type);
+        case DG_QK_AVX512: return dg_qk_avx512_kernel(type);
         default: return NULL;
     }
 }
@@ -108,7 +118,7 @@ static act_layout layout_of(const qtype *q, int64_t kd) {
     l.nb = kd / q->block;
     l.blocks_bytes = ggml_row_size(q->act, kd);
     l.side = round32(l.blocks_bytes);
-    const size_t side_floats = q->act == GGML_TYPE_Q8_0 ? 9 * (size_t)l.nb : 8 * (size_t)l.nb;
+    const size_t side_floats = q->act == GGML_TYPE_Q8_0 ? 10 * (size_t)l.nb : 8 * (size_t)l.nb;
     l.stride = round32(l.side + sizeof(float) * side_floats);
     return l;
 }
@@ -117,12 +127,14 @@ static void side_floats(const qtype *q, const act_layout *l, uint8_t *row) {
     float *side = (float *)(row + l->side);
     if (q->act == GGML_TYPE_Q8_0) {
         const dg_block_q8_0 *b = (const dg_block_q8_0 *)row;
-        int32_t *lanes = (int32_t *)(side + l->nb);
+        int32_t *lanes = (int32_t *)(side + l->nb), *neg128 = lanes + 8 * l->nb;
         for (int64_t i = 0; i < l->nb; i++) {
             side[i] = dg_qk_half(b[i].d);
+            neg128[i] = 0;
             for (int lane = 0; lane < 8; lane++) {
                 const int8_t *q = b[i].qs + 4 * lane;
                 lanes[8 * i + lane] = 16 * (q[0] + q[1] + q[2] + q[3]);
+                neg128[i] -= 128 * (q[0] + q[1] + q[2] + q[3]);
             }
         }
     } else {
@@ -167,8 +179,8 @@ static struct ggml_tensor *build_quantize(struct ggml_context *ctx, const qtype 
 // ---------------------------------------------------------------------------------------------------------------
 // the product node
 
-// Thread ith of nth: output rows [n0, n1) of every expert, in whole 8-row groups, so that the threads share the
-// weight traffic and the work alike whatever the routing.
+// Thread ith of nth: output rows [n0, n1) of every expert, in whole 16-row groups (the widest interleaved tile), so
+// that the threads share the weight traffic and the work alike whatever the routing.
 static void product_op(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     const struct ggml_tensor *w = dst->src[0], *xq = dst->src[1], *ids = dst->src[2];  // ids NULL: dense
     const enum ggml_type type = unpack_type(userdata);
@@ -178,16 +190,16 @@ static void product_op(struct ggml_tensor *dst, int ith, int nth, void *userdata
     const act_layout l = layout_of(&q, w->ne[0]);
     const int64_t N = w->ne[1], E = ids ? w->ne[2] : 1, X1 = xq->ne[1];
     const int64_t K = ids ? ids->ne[0] : 1, T = ids ? ids->ne[1] : xq->ne[1];
-    const int64_t groups = (N + 7) / 8;
-    const int64_t n0 = groups * ith / nth * 8;
-    const int64_t n1 = groups * (ith + 1) / nth * 8 < N ? groups * (ith + 1) / nth * 8 : N;
+    const int64_t groups = (N + 15) / 16;
+    const int64_t n0 = groups * ith / nth * 16;
+    const int64_t n1 = groups * (ith + 1) / nth * 16 < N ? groups * (ith + 1) / nth * 16 : N;
     if (n0 >= n1) return;
 
     // bucket the (k, t) pairs by expert (counting sort; every thread builds the same lists): the rows of expert e are
     // [start[e], start[e + 1]) in xs / ys. One small allocation per call and thread (KiBs) plus the kernel scratch.
     const int64_t pairs = K * T;
     const size_t lists = sizeof(int64_t) * (size_t)(E + 2) + 2 * sizeof(void *) * (size_t)pairs;
-    const size_t scratch_bytes = DG_QK_SCRATCH_BYTES * (size_t)l.nb * DG_QK_ROW_CHUNK;
+    const size_t scratch_bytes = DG_QK_SCRATCH_BYTES * (size_t)w->ne[0];
     void *block = malloc(lists + 64 + scratch_bytes);
     if (!block) abort();  // a custom op cannot report failure; out of memory for a few KiB the process is lost anyway
     int64_t *start = block;

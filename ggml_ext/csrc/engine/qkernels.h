@@ -12,12 +12,13 @@
 typedef enum {
     DG_QK_OFF = 0,     // ggml's own ops
     DG_QK_SCALAR = 1,  // portable C
-    DG_QK_AVX2 = 2,    // AVX2 vpmaddubsw / vpmaddwd
-    DG_QK_AVX512 = 3,  // AVX-512 VNNI vpdpbusd (reserved: no kernels yet, never available)
+    DG_QK_AVX2 = 2,     // AVX2 vpmaddubsw / vpmaddwd
+    DG_QK_AVXVNNI = 3,  // the AVX2 kernels with AVX-VNNI's vpdpbusd / vpdpwssd (256-bit)
+    DG_QK_AVX512 = 4,   // AVX-512 VNNI: sixteen weight rows per vpdpbusd (512-bit)
 } dg_qk_path;
 
-// The path DGEMMA_QKERNELS asks for (off, scalar, avx2, auto; unset or anything else = auto), where auto is the best
-// this CPU has (never scalar). A path the CPU lacks falls back to ggml's ops.
+// The path DGEMMA_QKERNELS asks for (off, scalar, avx2, avxvnni, avx512, auto; unset or anything else = auto), where
+// auto is the best under dg_cpu_isa() (never scalar). A path the CPU lacks falls back to ggml's ops.
 dg_qk_path dg_qk_default_path(void);
 bool dg_qk_path_available(dg_qk_path path);
 // Whether a weight of this type with rows of kd elements has kernels.
@@ -42,17 +43,21 @@ typedef struct dg_qk_job {
     int64_t n_rows, n0, n1;
     int64_t nb;               // blocks per row: 32-element blocks, or 256-element super-blocks for K-quants
     size_t side;              // byte offset of an activation row's side floats (see qkernels.c, activation layout)
-    float *scratch;           // per-thread scratch, 64-byte aligned: DG_QK_SCRATCH_BYTES·nb·DG_QK_ROW_CHUNK
+    float *scratch;           // per-thread scratch, 64-byte aligned: DG_QK_SCRATCH_BYTES · the row's elements
 } dg_qk_job;
 
 typedef void (*dg_qk_kernel)(const dg_qk_job *job);
 #define DG_QK_ROW_CHUNK 32  // weight rows a kernel prepares at once
-// scratch bytes per block and row of a chunk (decoded scales; Q8_0's interleaved blocks take 288 per 8 rows)
-#define DG_QK_SCRATCH_BYTES 64
+// Scratch bytes per element of a weight row: the largest use is AVX-512's sixteen interleaved K-quant rows (16 bytes
+// of values and ~4 of scales per element); the AVX2 kernels' eight interleaved rows take 9, the decoded scales of a
+// chunk of 32 rows at most 8.
+#define DG_QK_SCRATCH_BYTES 24
 
 // NULL when the path has no kernel for that type.
 dg_qk_kernel dg_qk_scalar_kernel(enum ggml_type type);
 dg_qk_kernel dg_qk_avx2_kernel(enum ggml_type type);
+dg_qk_kernel dg_qk_avxvnni_kernel(enum ggml_type type);
+dg_qk_kernel dg_qk_avx512_kernel(enum ggml_type type);
 
 // ggml's block layouts (ggml-common.h; the sizes are checked against ggml_type_size at run time).
 #define DG_QK 32
@@ -79,8 +84,9 @@ static inline int dg_qk_iq4xs_scale(const dg_block_iq4_xs *b, int j) {
 }
 
 // Activation side floats, per row, after the ggml blocks:
-// - Q8_0 activations (Q8_0, Q5_0 weights): dx[nb] (the block scales as f32), then int32 lanes16[8·nb]: 16 · the sum
-//   of qs[4·l .. 4·l + 3] in lane l (Q5_0's offset of 16, in the lanes of vpmaddwd's output).
+// - Q8_0 activations (Q8_0, Q5_0, IQ4_NL weights): dx[nb] (the block scales as f32), then int32 lanes16[8·nb]: 16 ·
+//   the sum of qs[4·l .. 4·l + 3] in lane l (Q5_0's offset of 16, in the lanes of vpmaddwd's output), then int32
+//   neg128[nb]: −128 · the block's sum (AVX-512 takes the weights as unsigned bytes w + 128).
 // - Q8_K activations (Q4_K, Q6_K weights): s32[8·nb] = d · Σ qs over each 32-element sub-block.
 // Q4_K's 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes.
 static inline void dg_qk_q4k_scale_min(const uint8_t *q, int j, int *scale, int *min) {

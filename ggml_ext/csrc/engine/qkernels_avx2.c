@@ -16,10 +16,31 @@
 #include "qkernels.h"
 #include "qkernels_avx2.h"
 
+#ifdef DG_QK_AVX_VNNI
+#define KERNEL_ENTRY dg_qk_avxvnni_kernel
+#else
+#define KERNEL_ENTRY dg_qk_avx2_kernel
+#endif
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
+// Built twice from this one source: here with AVX2's u8 × s8 products (vpmaddubsw, then vpmaddwd to s32), and by
+// qkernels_avxvnni.c with AVX-VNNI's (vpdpbusd, vpdpwssd: the same sums in one instruction, no s16 step). The
+// integer sums are the same on both; so are the floats.
+#ifdef DG_QK_AVX_VNNI
+#define TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
+// acc + Σ u·s over each 4 bytes (u unsigned, s signed)
+#define DOT_ADD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+// acc + scale · (u·s over each byte pair) over each 4 bytes, scale s16 pairs (no s16 saturation for the K-quants)
+#define DOT_SCALED_ADD(acc, u, s, scale) _mm256_dpwssd_avx_epi32((acc), _mm256_maddubs_epi16((u), (s)), (scale))
+#else
 #define TARGET __attribute__((target("avx2,fma,f16c")))
+#define DOT_ADD(acc, u, s) \
+    _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1)))
+#define DOT_SCALED_ADD(acc, u, s, scale) \
+    _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), (scale)))
+#endif
 #define INLINE TARGET __attribute__((always_inline)) static inline
 
 INLINE float hsum8(__m256 v) {
@@ -60,14 +81,13 @@ INLINE void q8_0_tile(const dg_block_q8_0 *w, const float *dw, const uint8_t **x
         xb[b] = (const dg_block_q8_0 *)x[b];
         dx[b] = (const float *)(x[b] + side);
     }
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t i = 0; i < nb; i++) {
         const __m256i wv = load256(w[i].qs);
         const __m256i aw = _mm256_sign_epi8(wv, wv);
         const __m256 d = _mm256_set1_ps(dw[i]);
         for (int b = 0; b < NR; b++) {
-            const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(load256(xb[b][i].qs), wv));
-            const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+            const __m256i p = DOT_ADD(_mm256_setzero_si256(), aw, _mm256_sign_epi8(load256(xb[b][i].qs), wv));
+            const __m256 s = _mm256_cvtepi32_ps(p);
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(dx[b] + i)), s, acc[b]);
         }
     }
@@ -92,22 +112,6 @@ TARGET static void block_scales(const dg_qk_job *job, int64_t j0, int64_t j1, si
 // Q5_0 weights × Q8_0 activations: the 5-bit values q (0..31) unpacked to bytes, Σ q·x per block in s32 lanes, the
 // offset taken out lane by lane (16 · Σx, the activations' lanes16), scaled by dw·dx: the same lanes as ggml's
 // (q − 16)·x, so the same f32 sums.
-// byte i = 0xff where bit i of the 32-bit mask is set
-INLINE __m256i bits_to_bytes(const uint8_t *bits) {
-    uint32_t v;
-    memcpy(&v, bits, sizeof v);
-    const __m256i which = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)v), which);  // byte i = byte i/8 of v
-    const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);                 // ~(1 << i%8)
-    return _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
-}
-
-INLINE __m256i q5_0_values(const dg_block_q5_0 *b) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)b->qs), m4 = _mm_set1_epi8(0x0f);
-    const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-    return _mm256_or_si256(nibbles, _mm256_and_si256(bits_to_bytes(b->qh), _mm256_set1_epi8(0x10)));
-}
-
 INLINE void q5_0_tile(const dg_block_q5_0 *w, const float *dw, const uint8_t **x, float **y, int64_t j, int64_t nb,
                       size_t side, const int NR) {
     __m256 acc[6];
@@ -120,12 +124,11 @@ INLINE void q5_0_tile(const dg_block_q5_0 *w, const float *dw, const uint8_t **x
         dx[b] = (const float *)(x[b] + side);
         lanes16[b] = (const __m256i *)(dx[b] + nb);
     }
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t i = 0; i < nb; i++) {
-        const __m256i q = q5_0_values(&w[i]);
+        const __m256i q = dg_q5_0_values_avx2(&w[i]);
         const __m256 d = _mm256_set1_ps(dw[i]);
         for (int b = 0; b < NR; b++) {
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, load256(xb[b][i].qs)), ones);
+            const __m256i p = DOT_ADD(_mm256_setzero_si256(), q, load256(xb[b][i].qs));
             const __m256 s = _mm256_cvtepi32_ps(_mm256_sub_epi32(p, _mm256_loadu_si256(lanes16[b] + i)));
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(dx[b] + i)), s, acc[b]);
         }
@@ -154,20 +157,16 @@ INLINE void q4_K_tile(const dg_block_q4_K *w, const q4k_row_block *rb, const uin
         xb[b] = (const dg_block_q8_K *)x[b];
         s32[b] = (const float *)(x[b] + side);
     }
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int64_t i = 0; i < nb; i++) {
         __m256i si[6];
         for (int b = 0; b < NR; b++) si[b] = _mm256_setzero_si256();
 #pragma GCC unroll 1  // unrolled, GCC re-associates the integer sums into a tree and spills half of it
         for (int c = 0; c < 4; c++) {
-            const __m256i q = load256(w[i].qs + 32 * c);
-            const __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            const __m256i lo = dg_q4_K_sub_avx2(&w[i], 2 * c), hi = dg_q4_K_sub_avx2(&w[i], 2 * c + 1);
             const __m256i sl = _mm256_set1_epi16(rb[i].scales[2 * c]), sh = _mm256_set1_epi16(rb[i].scales[2 * c + 1]);
             for (int b = 0; b < NR; b++) {
                 const int8_t *xs = xb[b][i].qs + 64 * c;
-                const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load256(xs)), sl);
-                const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load256(xs + 32)), sh);
-                si[b] = _mm256_add_epi32(si[b], _mm256_add_epi32(pl, ph));
+                si[b] = DOT_SCALED_ADD(DOT_SCALED_ADD(si[b], lo, load256(xs), sl), hi, load256(xs + 32), sh);
             }
         }
         const __m256 d = _mm256_set1_ps(rb[i].d), mins = _mm256_loadu_ps(rb[i].mins);
@@ -237,8 +236,7 @@ INLINE void q6_K_tile(const dg_block_q6_K *w, const uint8_t **x, float **y, int6
                     0x0101010101010101ll * (4 * quarter + 2) + 0x0100010001000100ll,
                     0x0101010101010101ll * (4 * quarter + 2) + 0x0100010001000100ll));
                 for (int b = 0; b < NR; b++) {
-                    const __m256i p = _mm256_maddubs_epi16(q, load256(xb[b][i].qs + 128 * h + 32 * quarter));
-                    si[b] = _mm256_add_epi32(si[b], _mm256_madd_epi16(p, s));
+                    si[b] = DOT_SCALED_ADD(si[b], q, load256(xb[b][i].qs + 128 * h + 32 * quarter), s);
                 }
             }
         }
@@ -266,17 +264,6 @@ TARGET static void q6_K_job(const dg_qk_job *job) {
 // IQ4_NL (× Q8_0 activations) and IQ4_XS (× Q8_K): 4-bit indices into a signed 16-value grid, looked up with
 // vpshufb; the values are signed, so as for Q8_0 the sign moves onto the activations
 
-INLINE __m256i iq4_grid(void) {
-    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)dg_qk_iq4_values));
-}
-
-// 16 bytes of indices -> the 32 values of one 32-element block (low nibbles first, then high nibbles)
-INLINE __m256i iq4_values16(const uint8_t *qs, __m256i grid) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0x0f);
-    const __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-    return _mm256_shuffle_epi8(grid, idx);
-}
-
 INLINE void iq4_nl_tile(const dg_block_iq4_nl *w, const float *dw, const uint8_t **x, float **y, int64_t j,
                         int64_t nb, size_t side, const int NR) {
     __m256 acc[6];
@@ -287,14 +274,14 @@ INLINE void iq4_nl_tile(const dg_block_iq4_nl *w, const float *dw, const uint8_t
         xb[b] = (const dg_block_q8_0 *)x[b];
         dx[b] = (const float *)(x[b] + side);
     }
-    const __m256i ones = _mm256_set1_epi16(1), grid = iq4_grid();
+    const __m256i grid = dg_iq4_grid_avx2();
     for (int64_t i = 0; i < nb; i++) {
-        const __m256i v = iq4_values16(w[i].qs, grid);
+        const __m256i v = dg_iq4_values16_avx2(w[i].qs, grid);
         const __m256i av = _mm256_sign_epi8(v, v);
         const __m256 d = _mm256_set1_ps(dw[i]);
         for (int b = 0; b < NR; b++) {
-            const __m256i p = _mm256_maddubs_epi16(av, _mm256_sign_epi8(load256(xb[b][i].qs), v));
-            const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+            const __m256i p = DOT_ADD(_mm256_setzero_si256(), av, _mm256_sign_epi8(load256(xb[b][i].qs), v));
+            const __m256 s = _mm256_cvtepi32_ps(p);
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(dx[b] + i)), s, acc[b]);
         }
     }
@@ -316,18 +303,17 @@ INLINE void iq4_xs_tile(const dg_block_iq4_xs *w, const iq4xs_row_block *rb, con
         acc[b] = _mm256_setzero_ps();
         xb[b] = (const dg_block_q8_K *)x[b];
     }
-    const __m256i grid = iq4_grid();
+    const __m256i grid = dg_iq4_grid_avx2();
     for (int64_t i = 0; i < nb; i++) {
         __m256i si[6];
         for (int b = 0; b < NR; b++) si[b] = _mm256_setzero_si256();
 #pragma GCC unroll 1  // see q4_K_tile
         for (int sb = 0; sb < 8; sb++) {
-            const __m256i v = iq4_values16(w[i].qs + 16 * sb, grid);
+            const __m256i v = dg_iq4_values16_avx2(w[i].qs + 16 * sb, grid);
             const __m256i av = _mm256_sign_epi8(v, v);
             const __m256i scale = _mm256_set1_epi16(rb[i].scales[sb]);
             for (int b = 0; b < NR; b++) {
-                const __m256i p = _mm256_maddubs_epi16(av, _mm256_sign_epi8(load256(xb[b][i].qs + 32 * sb), v));
-                si[b] = _mm256_add_epi32(si[b], _mm256_madd_epi16(scale, p));
+                si[b] = DOT_SCALED_ADD(si[b], av, _mm256_sign_epi8(load256(xb[b][i].qs + 32 * sb), v), scale);
             }
         }
         const __m256 d = _mm256_set1_ps(rb[i].d);
@@ -371,30 +357,6 @@ typedef struct {
     float d[8];
 } block8;
 
-// out[c] word r = in[r] word c
-INLINE void transpose8x32(__m256i v[8]) {
-    __m256i t[8], u[8];
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);      // r0c0 r1c0 r0c1 r1c1 | r0c4 r1c4 r0c5 r1c5
-        t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);  // r0c2 r1c2 r0c3 r1c3 | ...c6, c7
-    }
-    for (int i = 0; i < 2; i++) {
-        for (int h = 0; h < 2; h++) {
-            u[4 * i + 2 * h] = _mm256_unpacklo_epi64(t[4 * i + h], t[4 * i + 2 + h]);      // r0..r3 of c(2h) | c(2h+4)
-            u[4 * i + 2 * h + 1] = _mm256_unpackhi_epi64(t[4 * i + h], t[4 * i + 2 + h]);  // r0..r3 of c(2h+1) | ...
-        }
-    }
-    for (int c = 0; c < 4; c++) {  // u[c]: rows 0..3 of columns c (low) and c + 4 (high); u[4 + c]: rows 4..7
-        v[c] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x20);
-        v[c + 4] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x31);
-    }
-}
-
-// a block's 32 values as signed bytes, element k in byte k
-INLINE __m256i q8_0_signed(const dg_block_q8_0 *b) { return load256(b->qs); }
-INLINE __m256i q5_0_signed(const dg_block_q5_0 *b) { return _mm256_sub_epi8(q5_0_values(b), _mm256_set1_epi8(16)); }
-INLINE __m256i iq4_nl_signed(const dg_block_iq4_nl *b) { return iq4_values16(b->qs, iq4_grid()); }
-
 INLINE void tile8(const block8 *wb, const uint8_t **x, float **y, int64_t j0, int64_t nb, size_t side, const int NR) {
     __m256 acc[4];
     const dg_block_q8_0 *xb[4];
@@ -404,7 +366,6 @@ INLINE void tile8(const block8 *wb, const uint8_t **x, float **y, int64_t j0, in
         xb[b] = (const dg_block_q8_0 *)x[b];
         dx[b] = (const float *)(x[b] + side);
     }
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t i = 0; i < nb; i++) {
         __m256i si[4];
         for (int b = 0; b < NR; b++) si[b] = _mm256_setzero_si256();
@@ -416,7 +377,7 @@ INLINE void tile8(const block8 *wb, const uint8_t **x, float **y, int64_t j0, in
                 int32_t four;
                 memcpy(&four, xb[b][i].qs + 4 * c, sizeof four);
                 const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(four), wv);
-                si[b] = _mm256_add_epi32(si[b], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
+                si[b] = DOT_ADD(si[b], aw, xv);
             }
         }
         const __m256 d = _mm256_load_ps(wb[i].d);
@@ -434,10 +395,10 @@ INLINE void tile8(const block8 *wb, const uint8_t **x, float **y, int64_t j0, in
             __m256i v[8];                                                                                           \
             for (int r = 0; r < 8; r++) {                                                                           \
                 const BLOCK *b = W_ROW(BLOCK, j0 + r) + i;                                                          \
-                v[r] = NAME##_signed(b);                                                                            \
+                v[r] = dg_##NAME##_signed_avx2(b);                                                                            \
                 out->d[r] = half_to_float(b->d);                                                                    \
             }                                                                                                       \
-            transpose8x32(v);                                                                                       \
+            dg_transpose8x32_avx2(v);                                                                                       \
             for (int c = 0; c < 8; c++) out->w[c] = v[c];                                                           \
         }                                                                                                           \
     }                                                                                                               \
@@ -466,7 +427,7 @@ DEFINE_EIGHT_ROW_JOB(q8_0, dg_block_q8_0)
 DEFINE_EIGHT_ROW_JOB(q5_0, dg_block_q5_0)
 DEFINE_EIGHT_ROW_JOB(iq4_nl, dg_block_iq4_nl)
 
-dg_qk_kernel dg_qk_avx2_kernel(enum ggml_type type) {
+dg_qk_kernel KERNEL_ENTRY(enum ggml_type type) {
     switch (type) {
         case GGML_TYPE_IQ4_NL: return iq4_nl_job;
         case GGML_TYPE_IQ4_XS: return iq4_xs_job;
@@ -479,7 +440,7 @@ dg_qk_kernel dg_qk_avx2_kernel(enum ggml_type type) {
 }
 
 #else
-dg_qk_kernel dg_qk_avx2_kernel(enum ggml_type type) {
+dg_qk_kernel KERNEL_ENTRY(enum ggml_type type) {
     (void)type;
     return NULL;
 }
