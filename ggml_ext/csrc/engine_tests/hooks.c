@@ -1,6 +1,8 @@
 // What the test hooks share: seeded random numbers and the error measure they report.
 #include <math.h>
 
+#include "cpu.h"
+#include "engine.h"
 #include "hooks.h"
 
 uint64_t dg_next_rand(uint64_t *s) {  // splitmix64
@@ -21,3 +23,10 @@ double dg_max_rel_diff(const float *got, const float *want, int64_t n) {
     }
     return max_abs > 0 ? max_diff / max_abs : max_diff;
 }
+
+// Test hooks: whether this CPU has instruction-set level `level` (cpu.h's dg_isa order), and the level the engine's
+// kernels take under DGEMMA_CPU_ISA.
+DG_API int dg_check_cpu_has_isa(int level) {
+    return level >= DG_ISA_NONE && level <= DG_ISA_AVX512 && dg_cpu_has_isa((dg_isa)level);
+}
+DG_API int dg_check_cpu_isa(void) { return (int)dg_cpu_isa(); }

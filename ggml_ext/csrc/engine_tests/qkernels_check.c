@@ -2,6 +2,7 @@
 // mul_mat_id / mul_mat on the same quantized weights and activations.
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "engine.h"
 #include "hooks.h"
@@ -18,11 +19,9 @@ static void route(int32_t *ids, int64_t t, int n_expert, int n_used, int rows_pe
     }
 }
 
-// w [kd, n, n_expert] of `type` (quantized by ggml from random floats), x [kd, x1, t] F32; n_expert = 0: a dense
-// [kd, n] weight and x [kd, t]. Returns max |Δ| / max |y| of the engine's product on `path` against ggml's; -1 for
-// invalid arguments or no memory, -2 when this CPU lacks the path, -3 when the path has no kernel for the type/shape.
-DG_API double dg_check_qmatmul(int type, int64_t kd, int64_t n, int n_expert, int n_used, int64_t t, int x1,
-                               int rows_per_expert, int n_threads, uint64_t seed, int path) {
+// dg_check_qmatmul, or with compare_threads > 0 the number of outputs that differ between n_threads and compare_threads
+static double check_qmatmul(int type, int64_t kd, int64_t n, int n_expert, int n_used, int64_t t, int x1,
+                            int rows_per_expert, int n_threads, uint64_t seed, int path, int compare_threads) {
     const bool dense = n_expert == 0;
     if (type < 0 || type >= GGML_TYPE_COUNT || kd < 1 || n < 1 || t < 1 || n_expert < 0 || path < DG_QK_SCALAR ||
         path > DG_QK_AVX512 || n_threads < 1 || rows_per_expert < 0 ||
@@ -63,10 +62,38 @@ DG_API double dg_check_qmatmul(int type, int64_t kd, int64_t n, int n_expert, in
     if (ids) route(ids->data, t, n_expert, n_used, rows_per_expert, &seed);
     ggml_backend_graph_compute(backend, gf);
     result = dg_max_rel_diff(ours->data, ref->data, ggml_nelements(ref));
+    if (compare_threads > 0) {  // the same product on compare_threads threads: every output bit for bit
+        const size_t bytes = ggml_nbytes(ours);
+        float *first = malloc(bytes);
+        if (!first) goto done;
+        memcpy(first, ours->data, bytes);
+        ggml_backend_cpu_set_n_threads(backend, compare_threads);
+        ggml_backend_graph_compute(backend, gf);
+        int64_t differ = 0;
+        for (int64_t i = 0; i < ggml_nelements(ours); i++) differ += memcmp(first + i, (float *)ours->data + i, 4) != 0;
+        free(first);
+        result = (double)differ;
+    }
 done:
     free(row);
     if (buf) ggml_backend_buffer_free(buf);
     if (backend) ggml_backend_free(backend);
     if (ctx) ggml_free(ctx);
     return result;
+}
+
+// w [kd, n, n_expert] of `type` (quantized by ggml from random floats), x [kd, x1, t] F32; n_expert = 0: a dense
+// [kd, n] weight and x [kd, t]. Returns max |Δ| / max |y| of the engine's product on `path` against ggml's; -1 for
+// invalid arguments or no memory, -2 when this CPU lacks the path, -3 when the path has no kernel for the type/shape.
+DG_API double dg_check_qmatmul(int type, int64_t kd, int64_t n, int n_expert, int n_used, int64_t t, int x1,
+                               int rows_per_expert, int n_threads, uint64_t seed, int path) {
+    return check_qmatmul(type, kd, n, n_expert, n_used, t, x1, rows_per_expert, n_threads, seed, path, 0);
+}
+
+// The same product on n_threads and on other_threads threads: the number of outputs whose bits differ (-1, -2, -3 as
+// above).
+DG_API double dg_check_qmatmul_threads(int type, int64_t kd, int64_t n, int n_expert, int n_used, int64_t t,
+                                       int n_threads, int other_threads, uint64_t seed, int path) {
+    if (other_threads < 1) return -1;
+    return check_qmatmul(type, kd, n, n_expert, n_used, t, 1, 0, n_threads, seed, path, other_threads);
 }
