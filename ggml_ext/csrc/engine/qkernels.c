@@ -62,7 +62,7 @@ static bool qtype_of(enum ggml_type type, qtype *out) {
 
 bool dg_qk_supports(enum ggml_type type, int64_t kd) {
     qtype q;
-    return qtype_of(type, &q) && kd > 0 && kd % q.block == 0 && kd / q.block <= (1 << 20);
+    return qtype_of(type, &q) && kd > 0 && kd % q.block == 0 && kd / q.block <= (1 << 16);
 }
 
 bool dg_qk_path_available(dg_qk_path path) {

@@ -21,7 +21,7 @@ typedef enum {
 // auto is the best under dg_cpu_isa() (never scalar). A path the CPU lacks falls back to ggml's ops.
 dg_qk_path dg_qk_default_path(void);
 bool dg_qk_path_available(dg_qk_path path);
-// Whether a weight of this type with rows of kd elements has kernels.
+// Whether a weight of this type with rows of kd elements has kernels (whole blocks, at most 2^16 of them per row).
 bool dg_qk_supports(enum ggml_type type, int64_t kd);
 
 // ggml_mul_mat_id(w, x, ids) semantics: w [kd, N, E], x [kd, X1, T] F32 (X1 = 1 or ids->ne[0]), ids [K, T] I32.

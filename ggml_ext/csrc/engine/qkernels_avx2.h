@@ -45,11 +45,15 @@ DG_AVX2_INLINE __m256i dg_bits_to_bytes_avx2(const uint8_t *bits) {
     return _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
 }
 
+// Q5_0's low four bits of each value; the fifth is bit k of qh
+DG_AVX2_INLINE __m256i dg_q5_0_nibbles_avx2(const dg_block_q5_0 *b) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)b->qs), m4 = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+}
+
 // Q5_0's 5-bit values q (0..31); the weight is q − 16
 DG_AVX2_INLINE __m256i dg_q5_0_values_avx2(const dg_block_q5_0 *b) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)b->qs), m4 = _mm_set1_epi8(0x0f);
-    const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
-    return _mm256_or_si256(nibbles, _mm256_and_si256(dg_bits_to_bytes_avx2(b->qh), _mm256_set1_epi8(0x10)));
+    return _mm256_or_si256(dg_q5_0_nibbles_avx2(b), _mm256_and_si256(dg_bits_to_bytes_avx2(b->qh), _mm256_set1_epi8(0x10)));
 }
 
 // IQ4's 16-value grid in both 128-bit lanes (for vpshufb)

@@ -41,10 +41,27 @@
     } while (0)
 
 // Sixteen rows' 32-element parts (element k in byte k) -> out[c], c = 0..7: bytes 4c..4c+3 of row r in lane r.
-INLINE void interleave16(__m256i v[16], __m512i *out) {
-    dg_transpose8x32_avx2(v);
-    dg_transpose8x32_avx2(v + 8);
-    for (int c = 0; c < 8; c++) _mm512_store_si512(out + c, _mm512_inserti64x4(_mm512_castsi256_si512(v[c]), v[8 + c], 1));
+// The 8×8 transpose of 32-bit words (qkernels_avx2.h) on two rows per register: rows r and r + 4 share one for
+// r < 4, rows r + 4 and r + 8 for r = 4..7, so that the last step's 128-bit shuffles leave the rows in order.
+INLINE void interleave16(const __m256i v[16], __m512i *out) {
+    static const int low[8] = {0, 1, 2, 3, 8, 9, 10, 11};
+    __m512i z[8], t[8], u[8];
+    for (int k = 0; k < 8; k++) z[k] = _mm512_inserti64x4(_mm512_castsi256_si512(v[low[k]]), v[low[k] + 4], 1);
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        for (int h = 0; h < 2; h++) {
+            u[4 * i + 2 * h] = _mm512_unpacklo_epi64(t[4 * i + h], t[4 * i + 2 + h]);
+            u[4 * i + 2 * h + 1] = _mm512_unpackhi_epi64(t[4 * i + h], t[4 * i + 2 + h]);
+        }
+    }
+    // u[c] holds columns c and c + 4 of rows 0..3 and 4..7 (lanes 0..3), u[4 + c] those of rows 8..15
+    for (int c = 0; c < 4; c++) {
+        _mm512_store_si512(out + c, _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88));
+        _mm512_store_si512(out + c + 4, _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd));
+    }
 }
 
 // bytes 4c..4c+3 of an activation block, in every lane
@@ -96,17 +113,31 @@ INLINE void tile16(const block16 *wb, const uint8_t **x, float **y, int64_t j0, 
     for (int b = 0; b < NR; b++) _mm512_storeu_ps(y[b] + j0, acc[b]);
 }
 
+// w + 128 for the 32-element types. Q5_0's fifth bits go straight from qh into a mask register (AVX-512 BW), where
+// AVX2 spreads them to bytes with three instructions: (q − 16) + 128 = nibbles + 112, plus 16 where the bit is set.
+INLINE __m256i q8_0_unsigned(const dg_block_q8_0 *b) {
+    return _mm256_xor_si256(dg_q8_0_signed_avx2(b), _mm256_set1_epi8((char)0x80));
+}
+INLINE __m256i iq4_nl_unsigned(const dg_block_iq4_nl *b) {
+    return _mm256_xor_si256(dg_iq4_nl_signed_avx2(b), _mm256_set1_epi8((char)0x80));
+}
+INLINE __m256i q5_0_unsigned(const dg_block_q5_0 *b) {
+    uint32_t high;
+    memcpy(&high, b->qh, sizeof high);
+    const __m256i low = _mm256_add_epi8(dg_q5_0_nibbles_avx2(b), _mm256_set1_epi8(112));
+    return _mm256_mask_add_epi8(low, (__mmask32)high, low, _mm256_set1_epi8(16));
+}
+
 #define DEFINE_BLOCK32_JOB(NAME, BLOCK, TYPE)                                                             \
     TARGET static void NAME##_job(const dg_qk_job *job) {                                                 \
         block16 *wb = (block16 *)job->scratch;                                                            \
-        const __m256i bias = _mm256_set1_epi8((char)0x80);                                                \
         int64_t j = job->n0;                                                                              \
         for (; j + 16 <= job->n1; j += 16) {                                                              \
             for (int64_t i = 0; i < job->nb; i++) {                                                       \
                 __m256i v[16];                                                                            \
                 for (int r = 0; r < 16; r++) {                                                            \
                     const BLOCK *b = W_ROW(BLOCK, j + r) + i;                                             \
-                    v[r] = _mm256_xor_si256(dg_##NAME##_signed_avx2(b), bias);                            \
+                    v[r] = NAME##_unsigned(b);                                                            \
                     wb[i].d[r] = _cvtsh_ss(b->d);                                                         \
                 }                                                                                         \
                 interleave16(v, wb[i].w);                                                                 \
@@ -132,61 +163,87 @@ typedef struct {
     float d[16], dmin[16];
 } sblock16;
 
-INLINE int32_t pack16(int lo, int hi) { return (int32_t)((uint32_t)(uint16_t)(int16_t)lo | (uint32_t)hi << 16); }
+// The scales of sixteen rows' super-block i, gathered as 32-bit words (byte offset `at` in each block) and decoded
+// lane-wise: lane r is row j0 + r. (Row offsets fit 32 bits: dg_qk_supports bounds a row to 2^16 blocks.)
+INLINE __m512i gather_words(const dg_qk_job *job, int64_t j0, int64_t i, size_t block_bytes, int at) {
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)job->w_row));
+    const uint8_t *base = job->w + (size_t)j0 * job->w_row + (size_t)i * block_bytes + at;
+    return _mm512_i32gather_epi32(rows, (const void *)base, 1);
+}
+
+INLINE __m512i bits(__m512i v, int shift, int mask) { return _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(mask)); }
+// (lo & 0xffff) | hi << 16 per lane: two s16 values for vpdpwssd
+INLINE __m512i pack16(__m512i lo, __m512i hi) {
+    return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(hi, 16));
+}
+// the fp16 in the low (high = 0) or high half of each lane, as f32
+INLINE __m512 halfs(__m512i v, int high) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(high ? _mm512_srli_epi32(v, 16) : v)); }
+
+// 32 values (one per row, 32-element part u of the super-block) of the sixteen rows, interleaved into out->w[8u..]
+#define INTERLEAVE_PARTS(T, DECODE)                                                                    \
+    for (int u = 0; u < 8; u++) {                                                                      \
+        __m256i v[16];                                                                                 \
+        for (int r = 0; r < 16; r++) {                                                                 \
+            const T *b = W_ROW(T, j0 + r) + i;                                                         \
+            v[r] = DECODE;                                                                             \
+        }                                                                                              \
+        interleave16(v, out->w + 8 * u);                                                               \
+    }
 
 TARGET static void q4_K_prep(const dg_qk_job *job, int64_t j0, sblock16 *out) {
     for (int64_t i = 0; i < job->nb; i++, out++) {
-        for (int u = 0; u < 8; u++) {
-            __m256i v[16];
-            for (int r = 0; r < 16; r++) v[r] = dg_q4_K_sub_avx2(W_ROW(dg_block_q4_K, j0 + r) + i, u);
-            interleave16(v, out->w + 8 * u);
+        INTERLEAVE_PARTS(dg_block_q4_K, dg_q4_K_sub_avx2(b, u))
+        // scales[0..11] at byte 4: sc_j, m_j = bytes j, j + 4 (low 6 bits) for j < 4; for j = 4 + k the low / high
+        // nibble of byte 8 + k, with the top two bits of bytes k / 4 + k above them
+        const __m512i dd = gather_words(job, j0, i, sizeof(dg_block_q4_K), 0);
+        const __m512i s0 = gather_words(job, j0, i, sizeof(dg_block_q4_K), 4);
+        const __m512i s1 = gather_words(job, j0, i, sizeof(dg_block_q4_K), 8);
+        const __m512i s2 = gather_words(job, j0, i, sizeof(dg_block_q4_K), 12);
+        __m512i m[8];
+        for (int j = 0; j < 4; j++) {
+            _mm512_store_si512(out->scale[j], bits(s0, 8 * j, 63));
+            m[j] = bits(s1, 8 * j, 63);
+            _mm512_store_si512(out->scale[4 + j], _mm512_or_si512(bits(s2, 8 * j, 15), _mm512_slli_epi32(bits(s0, 8 * j + 6, 3), 4)));
+            m[4 + j] = _mm512_or_si512(bits(s2, 8 * j + 4, 15), _mm512_slli_epi32(bits(s1, 8 * j + 6, 3), 4));
         }
-        for (int r = 0; r < 16; r++) {
-            const dg_block_q4_K *b = W_ROW(dg_block_q4_K, j0 + r) + i;
-            int sc[8], m[8];
-            for (int g = 0; g < 8; g++) {
-                dg_qk_q4k_scale_min(b->scales, g, &sc[g], &m[g]);
-                out->scale[g][r] = sc[g];
-            }
-            for (int p = 0; p < 4; p++) out->pairs[p][r] = pack16(m[2 * p], m[2 * p + 1]);
-            out->d[r] = _cvtsh_ss(b->d);
-            out->dmin[r] = _cvtsh_ss(b->dmin);
-        }
+        for (int p = 0; p < 4; p++) _mm512_store_si512(out->pairs[p], pack16(m[2 * p], m[2 * p + 1]));
+        _mm512_store_ps(out->d, halfs(dd, 0));
+        _mm512_store_ps(out->dmin, halfs(dd, 1));
     }
 }
 
 TARGET static void q6_K_prep(const dg_qk_job *job, int64_t j0, sblock16 *out) {
     for (int64_t i = 0; i < job->nb; i++, out++) {
-        for (int u = 0; u < 8; u++) {
-            __m256i v[16];
-            for (int r = 0; r < 16; r++) v[r] = dg_q6_K_quarter_avx2(W_ROW(dg_block_q6_K, j0 + r) + i, u / 4, u % 4);
-            interleave16(v, out->w + 8 * u);
+        INTERLEAVE_PARTS(dg_block_q6_K, dg_q6_K_quarter_avx2(b, u / 4, u % 4))
+        __m512i sc[16];  // the signed scale bytes at 192..207, sign-extended
+        for (int q = 0; q < 4; q++) {
+            const __m512i word = gather_words(job, j0, i, sizeof(dg_block_q6_K), 192 + 4 * q);
+            for (int k = 0; k < 4; k++) {
+                sc[4 * q + k] = _mm512_srai_epi32(_mm512_slli_epi32(word, 24 - 8 * k), 24);
+                _mm512_store_si512(out->scale[4 * q + k], sc[4 * q + k]);
+            }
         }
-        for (int r = 0; r < 16; r++) {
-            const dg_block_q6_K *b = W_ROW(dg_block_q6_K, j0 + r) + i;
-            for (int g = 0; g < 16; g++) out->scale[g][r] = b->scales[g];
-            for (int p = 0; p < 8; p++) out->pairs[p][r] = pack16(b->scales[2 * p], b->scales[2 * p + 1]);
-            out->d[r] = _cvtsh_ss(b->d);
-        }
+        for (int p = 0; p < 8; p++) _mm512_store_si512(out->pairs[p], pack16(sc[2 * p], sc[2 * p + 1]));
+        _mm512_store_ps(out->d, halfs(gather_words(job, j0, i, sizeof(dg_block_q6_K), 206), 1));  // d: bytes 208..209
     }
 }
 
 TARGET static void iq4_xs_prep(const dg_qk_job *job, int64_t j0, sblock16 *out) {
     const __m256i grid = dg_iq4_grid_avx2(), bias = _mm256_set1_epi8((char)0x80);
     for (int64_t i = 0; i < job->nb; i++, out++) {
-        for (int u = 0; u < 8; u++) {
-            __m256i v[16];
-            for (int r = 0; r < 16; r++)
-                v[r] = _mm256_xor_si256(dg_iq4_values16_avx2(W_ROW(dg_block_iq4_xs, j0 + r)[i].qs + 16 * u, grid), bias);
-            interleave16(v, out->w + 8 * u);
+        INTERLEAVE_PARTS(dg_block_iq4_xs, _mm256_xor_si256(dg_iq4_values16_avx2(b->qs + 16 * u, grid), bias))
+        // d | scales_h << 16, then scales_l[0..3]: scale_j = (4 bits of scales_l at 4j | 2 bits of scales_h at 2j) − 32
+        const __m512i dh = gather_words(job, j0, i, sizeof(dg_block_iq4_xs), 0);
+        const __m512i low = gather_words(job, j0, i, sizeof(dg_block_iq4_xs), 4);
+        __m512i sc[8];
+        for (int j = 0; j < 8; j++) {
+            sc[j] = _mm512_sub_epi32(_mm512_or_si512(bits(low, 4 * j, 15), _mm512_slli_epi32(bits(dh, 16 + 2 * j, 3), 4)),
+                                     _mm512_set1_epi32(32));
+            _mm512_store_si512(out->scale[j], sc[j]);
         }
-        for (int r = 0; r < 16; r++) {
-            const dg_block_iq4_xs *b = W_ROW(dg_block_iq4_xs, j0 + r) + i;
-            int sc[8];
-            for (int g = 0; g < 8; g++) out->scale[g][r] = sc[g] = dg_qk_iq4xs_scale(b, g);
-            for (int p = 0; p < 4; p++) out->pairs[p][r] = pack16(sc[2 * p], sc[2 * p + 1]);
-            out->d[r] = _cvtsh_ss(b->d);
-        }
+        for (int p = 0; p < 4; p++) _mm512_store_si512(out->pairs[p], pack16(sc[2 * p], sc[2 * p + 1]));
+        _mm512_store_ps(out->d, halfs(dh, 0));
     }
 }
 
