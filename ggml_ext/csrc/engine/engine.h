@@ -218,7 +218,8 @@ struct ggml_tensor *dg_lm_head(const dg_model *m);
 struct ggml_tensor *dg_build_f32_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x);
 
 // soft_embedding.c: P [V, n] · E for an embedding E [H, V] of any dequantizable type, in E's stored layout:
-// [H, n]. `slices` vocabulary ranges are summed separately (one per thread); isa 0 portable, 1 AVX2 + FMA.
+// [H, n]. `slices` vocabulary ranges are summed separately (one per thread); isa a dg_isa level (cpu.h): none
+// portable, AVX2 (AVX-VNNI: the same) or AVX-512, capped at dg_soft_embedding_isa(), the best this CPU runs.
 struct ggml_tensor *dg_build_soft_embedding(struct ggml_context *ctx, struct ggml_tensor *embd, struct ggml_tensor *p,
                                             int slices, int isa);
 int dg_soft_embedding_isa(void);
