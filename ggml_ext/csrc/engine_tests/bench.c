@@ -164,12 +164,14 @@ done:
 }
 
 // Test hook: the engine's F32 weight product (f32_matmul.c) against ggml_mul_mat on the same random data (w [kd, n],
-// x [kd, t], rows of x `x_stride` floats apart, ≥ kd). Returns max |Δ| / max |y|; -1 for invalid arguments or no
-// memory, -2 when the op does not apply on this CPU. *out (t·n floats, may be NULL) receives the op's result.
+// x [kd, t], rows of x `x_stride` floats apart, ≥ kd). isa: a dg_isa level (1 AVX2, 2 AVX-VNNI = AVX2, 3 AVX-512), or
+// -1 for the level the engine dispatches (dg_cpu_isa()). Returns max |Δ| / max |y|; -1 for invalid arguments or no
+// memory, -2 when the op does not apply on this CPU (or DGEMMA_CPU_ISA caps it below isa). *out (t·n floats, may be
+// NULL) receives the op's result, so that a test can compare two paths bit for bit on the same inputs (same seed).
 DG_API double dg_check_f32_matmul(int64_t kd, int64_t n, int64_t t, int64_t x_stride, int n_threads, uint64_t seed,
-                                  float *out) {
+                                  int isa, float *out) {
     if (kd < 1 || n < 1 || t < 1 || x_stride < kd || n_threads < 1 || kd * n > ((int64_t)1 << 28) ||
-        x_stride * t > ((int64_t)1 << 28))
+        x_stride * t > ((int64_t)1 << 28) || isa < -1 || isa > DG_ISA_AVX512)
         return -1;
     struct ggml_init_params ip = {ggml_tensor_overhead() * 8 + ggml_graph_overhead(), NULL, true};
     struct ggml_context *ctx = ggml_init(ip);
@@ -181,7 +183,7 @@ DG_API double dg_check_f32_matmul(int64_t kd, int64_t n, int64_t t, int64_t x_st
     struct ggml_tensor *w = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, kd, n);
     struct ggml_tensor *xs = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, x_stride, t);
     struct ggml_tensor *x = ggml_view_2d(ctx, xs, kd, t, xs->nb[1], 0);  // strided rows, as a view of a wider tensor
-    struct ggml_tensor *packed = dg_build_f32_matmul(ctx, w, x);
+    struct ggml_tensor *packed = isa < 0 ? dg_build_f32_matmul(ctx, w, x) : dg_build_f32_matmul_isa(ctx, w, x, isa);
     if (!packed) {
         result = -2;
         goto done;
