@@ -213,12 +213,16 @@ bool dg_unit_fast(const dg_model *m, int unit);
 bool dg_experts_fast(const dg_model *m, int il);
 struct ggml_tensor *dg_lm_head(const dg_model *m);
 
-// f32_matmul.c: ggml_mul_mat(w, x) for a 2-D F32 weight and F32 x [K, T] as a panel-packed custom op (AVX2 + FMA);
-// NULL where it does not apply (then ggml's own matmul)
+// f32_matmul.c: ggml_mul_mat(w, x) for a 2-D F32 weight and F32 x [K, T] as a panel-packed custom op (AVX2 + FMA or
+// AVX-512, the best dg_cpu_isa() allows); NULL where it does not apply (then ggml's own matmul)
 struct ggml_tensor *dg_build_f32_matmul(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x);
+// the same at a given dg_isa level (AVX-VNNI: the AVX2 path); NULL also when dg_cpu_isa() is below that level
+struct ggml_tensor *dg_build_f32_matmul_isa(struct ggml_context *ctx, struct ggml_tensor *w, struct ggml_tensor *x,
+                                            int isa);
 
 // soft_embedding.c: P [V, n] · E for an embedding E [H, V] of any dequantizable type, in E's stored layout:
-// [H, n]. `slices` vocabulary ranges are summed separately (one per thread); isa 0 portable, 1 AVX2 + FMA.
+// [H, n]. `slices` vocabulary ranges are summed separately (one per thread); isa a dg_isa level (cpu.h): none
+// portable, AVX2 (AVX-VNNI: the same) or AVX-512, capped at dg_soft_embedding_isa(), the best this CPU runs.
 struct ggml_tensor *dg_build_soft_embedding(struct ggml_context *ctx, struct ggml_tensor *embd, struct ggml_tensor *p,
                                             int slices, int isa);
 int dg_soft_embedding_isa(void);

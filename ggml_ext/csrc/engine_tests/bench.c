@@ -6,6 +6,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "cpu.h"
 #include "engine.h"
 #include "hooks.h"
 #include "qkernels.h"
@@ -163,12 +164,14 @@ done:
 }
 
 // Test hook: the engine's F32 weight product (f32_matmul.c) against ggml_mul_mat on the same random data (w [kd, n],
-// x [kd, t], rows of x `x_stride` floats apart, ≥ kd). Returns max |Δ| / max |y|; -1 for invalid arguments or no
-// memory, -2 when the op does not apply on this CPU. *out (t·n floats, may be NULL) receives the op's result.
+// x [kd, t], rows of x `x_stride` floats apart, ≥ kd). isa: a dg_isa level (1 AVX2, 2 AVX-VNNI = AVX2, 3 AVX-512), or
+// -1 for the level the engine dispatches (dg_cpu_isa()). Returns max |Δ| / max |y|; -1 for invalid arguments or no
+// memory, -2 when the op does not apply on this CPU (or DGEMMA_CPU_ISA caps it below isa). *out (t·n floats, may be
+// NULL) receives the op's result, so that a test can compare two paths bit for bit on the same inputs (same seed).
 DG_API double dg_check_f32_matmul(int64_t kd, int64_t n, int64_t t, int64_t x_stride, int n_threads, uint64_t seed,
-                                  float *out) {
+                                  int isa, float *out) {
     if (kd < 1 || n < 1 || t < 1 || x_stride < kd || n_threads < 1 || kd * n > ((int64_t)1 << 28) ||
-        x_stride * t > ((int64_t)1 << 28))
+        x_stride * t > ((int64_t)1 << 28) || isa < -1 || isa > DG_ISA_AVX512)
         return -1;
     struct ggml_init_params ip = {ggml_tensor_overhead() * 8 + ggml_graph_overhead(), NULL, true};
     struct ggml_context *ctx = ggml_init(ip);
@@ -180,7 +183,7 @@ DG_API double dg_check_f32_matmul(int64_t kd, int64_t n, int64_t t, int64_t x_st
     struct ggml_tensor *w = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, kd, n);
     struct ggml_tensor *xs = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, x_stride, t);
     struct ggml_tensor *x = ggml_view_2d(ctx, xs, kd, t, xs->nb[1], 0);  // strided rows, as a view of a wider tensor
-    struct ggml_tensor *packed = dg_build_f32_matmul(ctx, w, x);
+    struct ggml_tensor *packed = isa < 0 ? dg_build_f32_matmul(ctx, w, x) : dg_build_f32_matmul_isa(ctx, w, x, isa);
     if (!packed) {
         result = -2;
         goto done;
@@ -204,16 +207,19 @@ done:
 }
 
 // Test and bench hook for the soft-embedding op (soft_embedding.c): E [h, v] of `type` (random, quantised by ggml),
-// P [v, n] random non-negative. Returns max |Δ| / max |y| against a double-precision product with ggml's own
-// dequantisation of E; -1 for invalid arguments or no memory, -2 when this CPU lacks that instruction set.
-// reps > 0 also times the op: *seconds = best wall time of reps runs (after one warm-up).
+// P [v, n] random non-negative; isa a dg_isa level (0 portable, 1 AVX2, 2 AVX-VNNI = AVX2 here, 3 AVX-512). Returns
+// max |Δ| / max |y| against a double-precision product with ggml's own dequantisation of E; -1 for invalid arguments
+// or no memory, -2 when this CPU (or DGEMMA_CPU_ISA) does not allow that instruction set. reps > 0 also times the
+// op: *seconds = best wall time of reps runs (after one warm-up). *out (n·h floats, may be NULL) receives the result,
+// so that a test can compare two paths bit for bit on the same inputs (same seed).
 DG_API double dg_check_soft_embedding(int type, int64_t v, int64_t h, int64_t n, int slices, int n_threads,
-                                      uint64_t seed, int isa, int reps, double *seconds) {
-    if (type < 0 || type >= GGML_TYPE_COUNT || v < 1 || h < 1 || n < 1 || slices < 1 || isa < 0 || isa > 1 ||
+                                      uint64_t seed, int isa, int reps, double *seconds, float *out) {
+    if (type < 0 || type >= GGML_TYPE_COUNT || v < 1 || h < 1 || n < 1 || slices < 1 || isa < 0 || isa > 3 ||
         h % ggml_blck_size((enum ggml_type)type) != 0 ||
         (type != GGML_TYPE_F32 && !ggml_get_type_traits((enum ggml_type)type)->to_float) ||
         v * h > ((int64_t)1 << 31) || v * n > ((int64_t)1 << 31))
         return -1;
+    if (isa == DG_ISA_AVXVNNI) isa = DG_ISA_AVX2;  // the op has no AVX-VNNI path of its own
     if (dg_soft_embedding_isa() < isa) return -2;
     struct ggml_init_params ip = {ggml_tensor_overhead() * (size_t)(8 + 2 * slices) + ggml_graph_overhead(), NULL, true};
     struct ggml_context *ctx = ggml_init(ip);
@@ -261,6 +267,7 @@ DG_API double dg_check_soft_embedding(int type, int64_t v, int64_t h, int64_t n,
     double max_diff = 0, max_abs = 0;
     for (int64_t t = 0; t < n; t++) {
         const float *yr = (const float *)((const char *)y->data + t * y->nb[1]);
+        if (out) memcpy(out + t * h, yr, sizeof(float) * (size_t)h);
         for (int64_t i = 0; i < h; i++) {
             const double a = yr[i], b = ref[t * h + i];
             max_diff = a != a ? INFINITY : fmax(max_diff, fabs(a - b));
@@ -278,13 +285,14 @@ done:
     return result;
 }
 
-// Test hook: the soft-embedding op's row dequantizer for `type` (isa 0 portable, 1 AVX2) against ggml's to_float on
+// Test hook: the soft-embedding op's row dequantizer for `type` (isa 0 portable, ≥ 1 AVX2: the AVX2 and AVX-512
+// paths share it) against ggml's to_float on
 // `n_blocks` blocks of random bytes (each block's fp16 scale a finite random value). Returns the number of elements
 // whose bits differ; -1 for invalid arguments or no memory, -2 when this CPU lacks that instruction set.
 DG_API int64_t dg_check_row_dequantizer(int type, int64_t n_blocks, int isa, uint64_t seed) {
-    if ((type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q6_K) || n_blocks < 1 || n_blocks > 4096 || isa < 0 || isa > 1)
+    if ((type != GGML_TYPE_Q8_0 && type != GGML_TYPE_Q6_K) || n_blocks < 1 || n_blocks > 4096 || isa < 0 || isa > 3)
         return -1;
-    if (dg_soft_embedding_isa() < isa) return -2;
+    if (dg_soft_embedding_isa() < (isa == DG_ISA_AVXVNNI ? DG_ISA_AVX2 : isa)) return -2;
     const int64_t blck = ggml_blck_size((enum ggml_type)type), k = blck * n_blocks;
     const size_t bytes = ggml_type_size((enum ggml_type)type) * (size_t)n_blocks;
     uint8_t *src = malloc(bytes);
@@ -297,7 +305,7 @@ DG_API int64_t dg_check_row_dequantizer(int type, int64_t n_blocks, int isa, uin
             const ggml_fp16_t d = ggml_fp32_to_fp16(dg_rand_float(&seed) * 0.01f);
             memcpy(src + (size_t)b * ggml_type_size((enum ggml_type)type) + scale_at, &d, sizeof(d));
         }
-        dg_row_dequantizer((enum ggml_type)type, isa == 1)(src, ours, k);
+        dg_row_dequantizer((enum ggml_type)type, isa >= DG_ISA_AVX2)(src, ours, k);
         ggml_get_type_traits((enum ggml_type)type)->to_float(src, theirs, k);
         differ = 0;
         for (int64_t i = 0; i < k; i++) differ += memcmp(ours + i, theirs + i, sizeof(float)) != 0;
@@ -308,5 +316,6 @@ DG_API int64_t dg_check_row_dequantizer(int type, int64_t n_blocks, int isa, uin
     return differ;
 }
 
-// Test hook: the best instruction set the soft-embedding op runs on this CPU (0 portable, 1 AVX2 + FMA).
+// Test hook: the best instruction set the soft-embedding op runs on this CPU under DGEMMA_CPU_ISA (a dg_isa level:
+// 0 portable, 1 AVX2 + FMA, 3 AVX-512).
 DG_API int dg_check_soft_embedding_isa(void) { return dg_soft_embedding_isa(); }
