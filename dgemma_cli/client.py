@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from dgemma_cli import env
+from dgemma_cli import env, wire
 from dgemma_cli.errors import DgemmaError
 
 PROBE_TIMEOUT_S = 1.0
@@ -108,8 +108,8 @@ class Client:
     def ps(self) -> dict[str, Any]:
         return self._get("/api/ps")
 
-    def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._post("/api/generate", {**body, "stream": False})
+    def generate(self, request: wire.GenerateRequest) -> dict[str, Any]:
+        return self._post("/api/generate", {**wire.request_body(request), "stream": False})
 
     # ---- streams -------------------------------------------------------------------------------------------------
 
@@ -134,17 +134,17 @@ class Client:
                     raise ApiError(str(obj["error"]) if message is None else message, response.status_code)
                 yield obj
 
-    def generate_stream(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        return self.stream("/api/generate", body)
+    def generate_stream(self, request: wire.GenerateRequest) -> Iterator[dict[str, Any]]:
+        return self.stream("/api/generate", wire.request_body(request))
 
-    def chat_stream(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        return self.stream("/api/chat", body)
+    def chat_stream(self, request: wire.ChatRequest) -> Iterator[dict[str, Any]]:
+        return self.stream("/api/chat", wire.request_body(request))
 
     def pull(self, model: str, insecure: bool = False) -> Iterator[dict[str, Any]]:
         return self.stream("/api/pull", {"model": model, "insecure": insecure})
 
-    def create(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        return self.stream("/api/create", body)
+    def create(self, request: wire.CreateRequest) -> Iterator[dict[str, Any]]:
+        return self.stream("/api/create", wire.request_body(request))
 
 
 def _headers() -> dict[str, str]:

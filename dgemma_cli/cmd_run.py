@@ -50,17 +50,12 @@ def read_piped_stdin() -> str:
 def run_once(client: Client, settings: RunSettings, prompt: str) -> None:
     """Non-interactive `run`: one `/api/generate`; an empty prompt only loads the model (docs/compat.md#run)."""
     if not prompt:
-        client.generate(settings.request(prompt=""))
+        client.generate(settings.generate_request(""))
         return
     output = Output(settings, interactive_ui=is_tty(sys.stdout))
-    body = settings.request(prompt=prompt)
-    if settings.system is not None:
-        body["system"] = settings.system
-    if output.wants_progress():
-        body.setdefault("options", {})["diffusion_progress"] = True
-        if output.visual:
-            body["options"]["diffusion_preview"] = True
-    stream_answer(client.generate_stream(body), output)
+    request = settings.generate_request(prompt, system=settings.system, progress=output.wants_progress(),
+                                        preview=output.visual)
+    stream_answer(client.generate_stream(request), output)
 
 
 # ---- the commands ----------------------------------------------------------------------------------------------------
@@ -184,12 +179,13 @@ def ps(prefix: Optional[str] = typer.Argument(None, help="only names starting wi
 
 def stop(model: str = typer.Argument(..., help="model to unload")) -> None:
     """Stop (unload) a running model."""
+    from dgemma_cli import wire
     from dgemma_cli.client import ApiError
     from dgemma_cli.local_server import connect
 
     with connect() as client:
         try:
-            client.generate({"model": model, "prompt": "", "keep_alive": 0})
+            client.generate(wire.GenerateRequest(model=model, prompt="", keep_alive=0))
         except ApiError as exc:
             if exc.status == 404:
                 raise DgemmaError(f'couldn\'t find model "{model}" to stop') from None

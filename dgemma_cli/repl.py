@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from dgemma_cli import env
+from dgemma_cli import env, wire
 from dgemma_cli.client import ApiError, Client
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.session import Output, RunSettings, ensure_model, stream_answer
@@ -168,7 +168,7 @@ class Repl:
     def preload(self) -> None:
         spinner = Spinner().start("")
         try:
-            self.client.generate(self.settings.request(prompt=""))
+            self.client.generate(self.settings.generate_request(""))
         finally:
             spinner.stop()
 
@@ -215,12 +215,9 @@ class Repl:
     def chat(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
         output = Output(self.settings, out=self.out)
-        body = self.settings.request(messages=self.conversation())
-        if output.wants_progress():
-            body.setdefault("options", {})["diffusion_progress"] = True
-            if output.visual:
-                body["options"]["diffusion_preview"] = True
-        chunks = self.client.chat_stream(body)
+        request = self.settings.chat_request(self.conversation(), progress=output.wants_progress(),
+                                             preview=output.visual)
+        chunks = self.client.chat_stream(request)
         try:
             final, answer = stream_answer(chunks, output)
         except KeyboardInterrupt:
@@ -413,13 +410,10 @@ class Repl:
         except DgemmaError:
             self.say(f"error: The model name '{name}' is invalid")
             return
-        body: dict[str, Any] = {"model": name, "from": self.settings.model, "messages": self.messages}
-        if self.settings.system is not None:
-            body["system"] = self.settings.system
-        if self.settings.options:
-            body["parameters"] = dict(self.settings.options)
+        request = wire.CreateRequest(model=name, from_=self.settings.model, messages=self.messages,
+                                     system=self.settings.system, parameters=dict(self.settings.options) or None)
         try:
-            for _status in self.client.create(body):
+            for _status in self.client.create(request):
                 pass
         except DgemmaError as exc:
             self.say(f"error: {exc}")

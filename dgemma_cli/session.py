@@ -18,7 +18,8 @@ from dgemma_cli.errors import DgemmaError
 from dgemma_cli.render import AnswerPrinter, timing_block
 from dgemma_cli.ui import ProgressRenderer, Spinner, is_tty
 
-if TYPE_CHECKING:  # httpx is imported only by the commands that talk to a server (keeps `dgemma --help` quick)
+if TYPE_CHECKING:  # httpx and pydantic are imported only when a request is made (keeps `dgemma --help` quick)
+    from dgemma_cli import wire
     from dgemma_cli.client import Client
 
 
@@ -41,18 +42,28 @@ class RunSettings:
     system: str | None = None
     progress: bool = True  # spinner with canvas/step counters while no text has arrived
 
-    def request(self, **body: Any) -> dict[str, Any]:
-        """A generate/chat request body with the current options (progress chunks requested when `progress`)."""
-        out: dict[str, Any] = {"model": self.model, **body}
-        if self.options:
-            out["options"] = dict(self.options)
-        if self.think is not None:
-            out["think"] = self.think
-        if self.keep_alive is not None:
-            out["keep_alive"] = self.keep_alive
-        if self.format:
-            out["format"] = self.format
-        return out
+    def _common(self, progress: bool, preview: bool) -> dict[str, Any]:
+        """The fields generate and chat requests share: the current options (with the progress and draft chunks
+        when asked for), think, keep_alive, format."""
+        options = dict(self.options)
+        if progress:
+            options["diffusion_progress"] = True
+            if preview:
+                options["diffusion_preview"] = True
+        return {"model": self.model, "options": options or None, "think": self.think, "keep_alive": self.keep_alive,
+                "format": self.format or None}
+
+    def generate_request(self, prompt: str, *, system: str | None = None, progress: bool = False,
+                         preview: bool = False) -> wire.GenerateRequest:
+        from dgemma_cli import wire
+
+        return wire.GenerateRequest(prompt=prompt, system=system, **self._common(progress, preview))
+
+    def chat_request(self, messages: list[dict[str, Any]], *, progress: bool = False,
+                     preview: bool = False) -> wire.ChatRequest:
+        from dgemma_cli import wire
+
+        return wire.ChatRequest(messages=messages, **self._common(progress, preview))
 
 
 # ---- task renderers (model-specific front ends) ----------------------------------------------------------------------

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from dgemma_cli import wire
 from dgemma_cli.client import CALL_TIMEOUT, ApiError, Client
 from dgemma_cli.modelfile import Modelfile
 from dgemma_cli.store import Store
@@ -39,7 +40,7 @@ def delete_model(client: Client, model: str) -> None:
 
 def unload_model(client: Client, model: str) -> None:
     """Ollama's unload: an empty generate with `keep_alive: 0` (also fine when the model is not loaded)."""
-    client.generate({"model": model, "prompt": "", "keep_alive": 0})
+    client.generate(wire.GenerateRequest(model=model, prompt="", keep_alive=0))
 
 
 def blob_exists(client: Client, digest: str) -> bool:
@@ -89,7 +90,7 @@ def _blob_name_digest(path: Path) -> str | None:
 # ---- create: the local half ----------------------------------------------------------------------------------------
 
 def create_request(client: Client, model: str, modelfile: Modelfile, base_dir: Path, quantize: str | None,
-                   progress: Progress) -> dict[str, Any]:
+                   progress: Progress) -> wire.CreateRequest:
     """The `/api/create` body for a parsed Modelfile, after uploading whatever its FROM names on this machine.
 
     A local GGUF (or a folder holding one) is uploaded as is and the server quantizes it if asked; a checkpoint
@@ -132,7 +133,7 @@ def create_request(client: Client, model: str, modelfile: Modelfile, base_dir: P
     for key in ("renderer", "parser"):  # Ollama's request fields for these lines; a server may ignore them
         if key in modelfile.extras:
             body[key] = modelfile.extras[key]
-    return body
+    return wire.CreateRequest.model_validate(body)
 
 
 def _precheck_adapter(source: Any) -> None:

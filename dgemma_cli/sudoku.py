@@ -155,13 +155,9 @@ def solve_and_show(client: Client, settings: RunSettings, text: str, out: TextIO
     console = Console(file=out) if tty else None
     view = LiveGrid(console, puzzle) if (console is not None and settings.visual) else None
     spinner = Spinner(err, enabled=tty and view is None and settings.progress and is_tty(err))
-    body = settings.request(prompt=puzzle)
-    options = body.setdefault("options", {})
-    options["diffusion_progress"] = view is not None or spinner.enabled
-    if view is not None:
-        options["diffusion_preview"] = True
+    request = settings.generate_request(puzzle, progress=view is not None or spinner.enabled, preview=view is not None)
     answer, final = "", None
-    chunks = client.generate_stream(body)
+    chunks = client.generate_stream(request)
     try:
         spinner.start("solving")
         for chunk in chunks:

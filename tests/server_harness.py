@@ -57,6 +57,7 @@ class FakeRunner:
         self.context_length = num_ctx
         self.size = 1234
         self.size_vram = 0
+        self.special_tokens = None
         self.metadata: dict[str, Any] = {"general.architecture": "diffusion-gemma"}
         self.has_thinking = behaviour.has_thinking
         from dgemma_engine.tool_calls import FORMATS

@@ -30,11 +30,12 @@ def server(tmp_path_factory):
 def preview_chunks(url: str) -> list[dict]:
     import httpx
 
+    from dgemma_cli import wire
     from dgemma_cli.client import Client
 
     with httpx.Client(base_url=url) as http:
         return list(Client(url, http).generate_stream(
-            {"model": "tiny", "prompt": "hi", "options": {"diffusion_preview": True}}))
+            wire.GenerateRequest(model="tiny", prompt="hi", options={"diffusion_preview": True})))
 
 
 def recording_console() -> Console:

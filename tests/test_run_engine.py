@@ -76,14 +76,15 @@ def test_prompt_longer_than_the_context_is_truncated(env):
 
 def test_preview_chunks_carry_the_accept_mask(env, monkeypatch):
     """What the live view is fed on the real engine: per-position draft pieces and the sampler's accept mask."""
+    from dgemma_cli import wire
     from dgemma_cli.local_server import connect
 
     for key in ("DGEMMA_MODELS", "DGEMMA_HOST", "HOME"):
         monkeypatch.setenv(key, env[key])
     with connect() as client:
         assert client.local is not None  # nothing listens at DGEMMA_HOST: served in this process
-        chunks = list(client.generate_stream({"model": "tiny-a", "prompt": "Hello", "options": {
-            "seed": 3, "diffusion_steps": 5, "num_predict": 16, "diffusion_preview": True}}))
+        chunks = list(client.generate_stream(wire.GenerateRequest(model="tiny-a", prompt="Hello", options={
+            "seed": 3, "diffusion_steps": 5, "num_predict": 16, "diffusion_preview": True})))
         thread = client.local.thread
     assert not thread.is_alive()  # and stopped when the block ends
     steps = [c for c in chunks if "preview" in c]

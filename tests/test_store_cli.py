@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from cli_helpers import cli_env, in_process
-from dgemma_cli import store_client
+from dgemma_cli import store_client, wire
 from server_harness import FakeBehaviour, InProcessServer, add_model, fake_factory, write_small_gguf
 from store_helpers import write_tiny_gguf
 
@@ -181,7 +181,7 @@ def test_create_request_for_a_model_name_sends_no_files(tmp_path):
 
     modelfile = parse_modelfile('FROM base:v2\nSYSTEM ""\nPARAMETER stop a\nPARAMETER seed 3\nRENDERER r1\n'
                                 "MESSAGE user hi\nLICENSE L\n")
-    body = store_client.create_request(None, "m", modelfile, tmp_path, "q8_0", progress=[].append)
+    body = wire.request_body(store_client.create_request(None, "m", modelfile, tmp_path, "q8_0", progress=[].append))
     assert body == {"model": "m", "from": "base:v2", "quantize": "q8_0", "system": "", "license": ["L"],
                     "parameters": {"stop": ["a"], "seed": 3}, "messages": [{"role": "user", "content": "hi"}],
                     "renderer": "r1"}

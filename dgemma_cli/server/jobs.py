@@ -66,7 +66,7 @@ def render_messages(runner, messages: list[dict], thinking: bool | None, overrid
     """The prompt text of `messages` (with a per-request template `override`); template failures are a clean 500."""
     try:
         if override is not None:
-            return render_prompt(override, messages, thinking, getattr(runner, "special_tokens", None))
+            return render_prompt(override, messages, thinking, runner.special_tokens)
         return runner.render_chat(messages, thinking)
     except RequestError:
         raise
@@ -103,7 +103,7 @@ def offered_tools(model: ResolvedModel, runner, tools: list[dict] | None) -> tup
     send their built-in tools with every chat."""
     if not tools:
         return None, None
-    fmt = getattr(runner, "tool_format", None)
+    fmt = runner.tool_format
     if fmt is None:
         log.warning("%s: the chat template cannot render tools; ignoring the %d tool(s) of the request",
                     model.display, len(tools))

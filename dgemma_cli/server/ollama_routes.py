@@ -16,7 +16,7 @@ from dgemma_cli import wire
 from dgemma_cli.bundled import bundled_modelfile, mark_deleted, pull_bundled
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gotext import parse_keep_alive
-from dgemma_cli.server import gotemplate, inference, schemas, truncation
+from dgemma_cli.server import gotemplate, inference, truncation
 from dgemma_cli.server.errors import NotFound, RequestError
 from dgemma_cli.server.inference import Final, Progress, Text
 from dgemma_cli.server.jobs import Job, admitted, common_checks, render_messages, with_model_messages
@@ -127,7 +127,7 @@ def _ndjson(stream: WorkerStream, render, source=None) -> GuardedStreamingRespon
 
 @router.post("/api/generate", response_model=wire.GenerateResponse, responses=INFERENCE_ERRORS)
 @admitted
-async def generate(req: schemas.GenerateRequest, request: Request):
+async def generate(req: wire.GenerateRequest, request: Request):
     svc = services(request)
     model = await svc.resolve_runnable(_model_text(req.model, req.name))
     if req.raw and (req.template or req.system or req.context):
@@ -186,7 +186,7 @@ def _request_template(text: str) -> ChatTemplate:
 
 @router.post("/api/chat", response_model=wire.ChatResponse, responses=INFERENCE_ERRORS)
 @admitted
-async def chat(req: schemas.ChatRequest, request: Request):
+async def chat(req: wire.ChatRequest, request: Request):
     svc = services(request)
     model = await svc.resolve_runnable(_model_text(req.model, req.name))
     messages = [m.model_dump(exclude_none=True) for m in (req.messages or [])]
@@ -287,19 +287,19 @@ async def ps(request: Request) -> JSONResponse:
             wire.RunningModel(
                 name=resident.name,
                 model=resident.name,
-                size=int(getattr(runner, "size", 0)),
+                size=runner.size,
                 digest=str(getattr(local, "manifest_digest", "")).removeprefix("sha256:"),
                 details=svc.details_of(local),
                 expires_at=timestamp_of(resident.expiry_for_ps(now)),
-                size_vram=int(getattr(runner, "size_vram", 0)),
-                context_length=int(getattr(runner, "context_length", resident.num_ctx)),
+                size_vram=runner.size_vram,
+                context_length=runner.context_length,
             )
         )
     return JSONResponse(wire.PsResponse(models=models).wire())
 
 
 @router.post("/api/show", response_model=wire.ShowResponse, responses=ERRORS)
-async def show(req: schemas.ShowRequest, request: Request) -> JSONResponse:
+async def show(req: wire.ShowRequest, request: Request) -> JSONResponse:
     svc = services(request)
     model = await svc.resolve(_model_text(req.model, req.name))
     answer = await asyncio.to_thread(svc.show, model, bool(req.verbose))
@@ -314,7 +314,7 @@ def _check_writable(svc: Services) -> None:
 
 
 @router.post("/api/pull", response_model=wire.StatusResponse, responses={**ERRORS, 502: {"model": wire.ErrorResponse}})
-async def pull(req: schemas.PullRequest, request: Request):
+async def pull(req: wire.PullRequest, request: Request):
     svc = services(request)
     _check_writable(svc)
     name = svc.parse_name(_model_text(req.model, req.name))
@@ -360,7 +360,7 @@ def _clean_relative(name: str) -> bool:
 
 
 @router.post("/api/create", response_model=wire.StatusResponse, responses=ERRORS)
-async def create(req: schemas.CreateRequest, request: Request):
+async def create(req: wire.CreateRequest, request: Request):
     svc = services(request)
     _check_writable(svc)
     if req.path is not None or req.modelfile is not None:
@@ -448,7 +448,7 @@ def _write_batch(out, hasher, batch: list[bytes]) -> None:
 
 
 @router.post("/api/copy", responses=ERRORS)
-async def copy(req: schemas.CopyRequest, request: Request) -> Response:
+async def copy(req: wire.CopyRequest, request: Request) -> Response:
     svc = services(request)
     _check_writable(svc)
     source = svc.parse_name(req.source or "", f'source "{req.source or ""}" is invalid')
@@ -460,7 +460,7 @@ async def copy(req: schemas.CopyRequest, request: Request) -> Response:
 
 
 @router.delete("/api/delete", responses=ERRORS)
-async def delete(req: schemas.DeleteRequest, request: Request) -> Response:
+async def delete(req: wire.DeleteRequest, request: Request) -> Response:
     svc = services(request)
     _check_writable(svc)
     name = svc.parse_name(_model_text(req.model, req.name))
@@ -479,7 +479,7 @@ async def push() -> JSONResponse:
 
 @router.post("/api/embed", responses=ERRORS)
 @router.post("/api/embeddings", responses=ERRORS, include_in_schema=False)
-async def embed(req: schemas.EmbedRequest, request: Request) -> JSONResponse:
+async def embed(req: wire.EmbedRequest, request: Request) -> JSONResponse:
     svc = services(request)
     model = await svc.resolve(_model_text(req.model, req.name))
     raise RequestError(f"{model.full} does not support embedding")

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from dgemma_cli import wire
-from dgemma_cli.server import inference, schemas
+from dgemma_cli.server import inference
 from dgemma_cli.server.errors import NotFound, RequestError
 from dgemma_cli.server.inference import Final, Text
 from dgemma_cli.server.jobs import Job, admitted, common_checks, render_messages, with_model_messages
@@ -85,7 +85,7 @@ def _history_tool_calls(calls: list[dict]) -> list[dict]:
     return out
 
 
-def _chat_messages(model, messages: list[schemas.OpenAIMessage]) -> list[dict]:
+def _chat_messages(model, messages: list[wire.OpenAIMessage]) -> list[dict]:
     """OpenAI messages as template messages; a tool result also gets the `name` of the call it answers."""
     names: dict[str, str] = {}
     out = []
@@ -118,7 +118,7 @@ def _head(prefix: str, model) -> dict[str, Any]:
             "system_fingerprint": FINGERPRINT}
 
 
-def _message_text(model, message: schemas.OpenAIMessage) -> str:
+def _message_text(model, message: wire.OpenAIMessage) -> str:
     content = message.content
     if content is None or isinstance(content, str):
         return content or ""
@@ -167,7 +167,7 @@ def _sse(stream: WorkerStream, events) -> GuardedStreamingResponse:
 
 @router.post("/chat/completions", response_model=wire.ChatCompletion, responses=ERRORS)
 @admitted
-async def chat_completions(req: schemas.ChatCompletionRequest, request: Request):
+async def chat_completions(req: wire.ChatCompletionRequest, request: Request):
     if not req.messages:
         raise RequestError("messages must not be empty")
     svc = services(request)
@@ -228,7 +228,7 @@ async def chat_completions(req: schemas.ChatCompletionRequest, request: Request)
 
 @router.post("/completions", response_model=wire.Completion, responses=ERRORS)
 @admitted
-async def completions(req: schemas.CompletionRequest, request: Request):
+async def completions(req: wire.CompletionRequest, request: Request):
     svc = services(request)
     model_probe = await svc.resolve_runnable(req.model)
     if req.suffix:

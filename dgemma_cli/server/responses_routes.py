@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from dgemma_cli import wire
-from dgemma_cli.server import inference, schemas
+from dgemma_cli.server import inference
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.inference import Final, Text
 from dgemma_cli.server.jobs import Job, admitted, with_model_messages
@@ -100,7 +100,7 @@ class _History:
         self.messages.append(entry)
 
 
-def _input_messages(model, req: schemas.ResponsesRequest) -> list[dict]:
+def _input_messages(model, req: wire.ResponsesRequest) -> list[dict]:
     """`instructions` as the system message, then `input`: a string (one user message) or a list of items."""
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     if isinstance(req.input, str):
@@ -123,7 +123,7 @@ def _input_messages(model, req: schemas.ResponsesRequest) -> list[dict]:
     return messages
 
 
-def _function_tools(req: schemas.ResponsesRequest) -> list[dict] | None:
+def _function_tools(req: wire.ResponsesRequest) -> list[dict] | None:
     """The Responses API's flat function tools (`{type, name, description, parameters}`) in the shape chat templates
     read (`{type: "function", function: {...}}`); `tool_choice: "none"` leaves them out."""
     if not req.tools or req.tool_choice == "none":
@@ -142,7 +142,7 @@ def _function_tools(req: schemas.ResponsesRequest) -> list[dict] | None:
     return tools
 
 
-def _options(req: schemas.ResponsesRequest) -> dict[str, Any]:
+def _options(req: wire.ResponsesRequest) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if req.max_output_tokens is not None:
         options["num_predict"] = req.max_output_tokens
@@ -155,7 +155,7 @@ def _options(req: schemas.ResponsesRequest) -> dict[str, Any]:
 class ResponseBuilder:
     """The response object of one request, and its stream events (numbered in order)."""
 
-    def __init__(self, model_name: str, req: schemas.ResponsesRequest):
+    def __init__(self, model_name: str, req: wire.ResponsesRequest):
         self.id = "resp_" + secrets.token_hex(12)
         self.message_id = "msg_" + secrets.token_hex(12)
         self.reasoning_id = "rs_" + secrets.token_hex(12)
@@ -340,7 +340,7 @@ def _stream(stream: WorkerStream, built: ResponseBuilder) -> GuardedStreamingRes
 
 @router.post("/responses", response_model=wire.ResponseObject, responses=ERRORS)
 @admitted
-async def create_response(req: schemas.ResponsesRequest, request: Request):
+async def create_response(req: wire.ResponsesRequest, request: Request):
     svc = services(request)
     model = await svc.resolve_runnable(req.model)
     tools = _function_tools(req)

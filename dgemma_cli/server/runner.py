@@ -26,6 +26,7 @@ class Runner(Protocol):
     metadata: dict[str, Any]
     has_thinking: bool
     tool_format: Any  # dgemma_engine.tool_calls.ToolCallFormat of the chat template, None: it cannot render tools
+    special_tokens: Any  # dgemma_engine.chat.special_tokens of the vocabulary: what a per-request template renders with
 
     def render_chat(self, messages: list[dict], think: bool | None, tools: list[dict] | None = None) -> str: ...
 
