@@ -291,7 +291,8 @@ def test_hostile_compiles_leave_a_concurrent_request_within_twice_its_quiet_late
     server, client, _ = served
     pid = server.process.pid
     assert generate(client, "json")[0].status_code == 200  # nothing left compiling in the background
-    options = {"num_predict": 64, "diffusion_steps": 16, "seed": 1}  # long enough that timer jitter does not count
+    # long enough (~0.5 s quiet on a fast CPU) that scheduling quanta and timer jitter do not count
+    options = {"num_predict": 192, "diffusion_steps": 48, "seed": 1}
     quiet, beside, refusals = [], [], []
 
     def attack(schema) -> None:
