@@ -146,8 +146,9 @@ async def generate(req: wire.GenerateRequest, request: Request):
         job = Job(svc, model, options, keep_alive)
         return JSONResponse(await _load_or_unload(svc, model, keep_alive, job, chat=False, request=request))
 
+    job = Job(svc, model, options, keep_alive, output_format)  # options checked once, num_ctx decided once
     system = req.system if req.system is not None else model.local.system
-    check_prompt_size(svc.num_ctx(model, options), [req.prompt, system])
+    check_prompt_size(job.num_ctx, [req.prompt, system])
     context = list(req.context or [])
 
     override = _request_template(req.template) if req.template and not req.raw else None
@@ -165,7 +166,6 @@ async def generate(req: wire.GenerateRequest, request: Request):
             return truncation.fit_tokens(ids, runner.context_length - runner.canvas_length)
         return ids
 
-    job = Job(svc, model, options, keep_alive, output_format)
     stream = await job.start(request, build_prompt, req.think)
     return await _answer(request, stream, model, req.stream, chat=False, with_context=not req.raw)
 
@@ -206,14 +206,14 @@ async def chat(req: wire.ChatRequest, request: Request):
         job = Job(svc, model, options, keep_alive)
         return JSONResponse(await _load_or_unload(svc, model, keep_alive, job, chat=True, request=request))
 
+    job = Job(svc, model, options, keep_alive, output_format)  # options checked once, num_ctx decided once
     conversation = with_model_messages(model, messages)
     truncate = True if req.truncate is None else req.truncate
-    check_chat_size(svc.num_ctx(model, options), conversation, truncate)
+    check_chat_size(job.num_ctx, conversation, truncate)
 
     def build_prompt(runner, thinking, tools):
         return inference.chat_prompt(runner, conversation, thinking, truncate, tools)
 
-    job = Job(svc, model, options, keep_alive, output_format)
     stream = await job.start(request, build_prompt, req.think, req.tools)
     return await _answer(request, stream, model, req.stream, chat=True, with_context=False)
 
