@@ -111,6 +111,8 @@ def save_automaton(path: Path, automaton: TokenAutomaton) -> None:
     whole file or none."""
     arrays: dict[str, np.ndarray] = {}
     for name, value in vars(automaton).items():
+        if name.startswith("_"):  # kept in memory only (the fast decode's index, constrained.decode_index)
+            continue
         arrays[name] = np.array(sorted(value), dtype=np.int64) if isinstance(value, frozenset) else np.asarray(value)
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")

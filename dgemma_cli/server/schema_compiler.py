@@ -12,7 +12,9 @@ at the lowest CPU priority, so generations keep their speed.
 vocabulary, so it is compiled once per vocabulary in the background when a model loads, without that limit, and a
 request for it waits for that compile rather than being refused. Every automaton is kept in memory (the last
 CACHE_SIZE) and on disk (`<models>/cache/automata/`), so it is compiled once per (vocabulary, schema), across
-restarts.
+restarts. Before an automaton is handed out, the constrained decoder's index of it (dgemma_engine.constrained
+.decode_index: its runs of edges and token sets) is built in a thread, once per automaton in memory, so a request's
+first canvas does not wait for it.
 """
 import asyncio
 import contextlib
@@ -135,12 +137,13 @@ class SchemaCompiler:
 
     async def _compile(self, key: tuple[str, str], vocabulary: Any, schema: dict | None, shared: bool) -> Any:
         from dgemma_engine.automata import CompileLimitExceeded, cache_file, load_automaton
-        from dgemma_engine.constrained import ConstraintError
+        from dgemma_engine.constrained import ConstraintError, decode_index
 
         path = None if self.cache_dir is None else cache_file(self.cache_dir, vocabulary, schema)
         if path is not None:
             automaton = await asyncio.to_thread(load_automaton, path, vocabulary.n_tokens)
             if automaton is not None:
+                await asyncio.to_thread(decode_index, automaton)
                 self._remember(key, automaton)
                 return automaton
         cpu_limit_s = BACKGROUND_CPU_LIMIT_S if shared else self.cpu_limit_s
@@ -154,6 +157,7 @@ class SchemaCompiler:
                     while len(self._refused) > REFUSALS:
                         self._refused.popitem(last=False)
                 raise ConstraintError(message) from None
+        await asyncio.to_thread(decode_index, automaton)
         self._remember(key, automaton)
         return automaton
 
