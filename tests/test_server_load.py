@@ -15,5 +15,6 @@ def test_load_test_overflow_gets_503_and_health_stays_fast(tmp_path):
     report = json.loads(out.read_text())
     assert status == 0, report["problems"]
     assert report["completed"] + report["refused_503"] == 20
-    assert report["completed"] >= 9 and report["refused_503"] >= 1 and report["refusals_exact"]
+    # 8 admitted for sure (the queue limit), a 9th when the first request held its slot before the burst arrived
+    assert report["completed"] >= 8 and report["refused_503"] >= 1 and report["refusals_exact"]
     assert report["version_latency_s"]["max"] <= 0.2
