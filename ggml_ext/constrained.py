@@ -538,14 +538,7 @@ def best_canvas(logits: np.ndarray, automaton: TokenAutomaton, state: int, token
             new[end] = stay
             back[i, end] = -1
         score = new
-    reached = np.isfinite(score)
-    if not reached.any():
-        raise ConstraintError("no canvas satisfies the output format from this point")
-    if tokens_after is not None:
-        to_close = a.tokens_to_close
-        fits = reached & (to_close <= tokens_after)
-        score = np.where(fits if fits.any() else reached & (to_close == to_close[reached].min()), score, -np.inf)
-    last = int(np.argmax(score))
+    score, last = _final_state(score, a, tokens_after)
     ids = [0] * positions
     s = last
     for i in range(positions - 1, -1, -1):
@@ -565,6 +558,20 @@ def best_canvas(logits: np.ndarray, automaton: TokenAutomaton, state: int, token
             ids[i] = int(sets.token[i, set_id])
         s = source
     return ConstrainedCanvas(ids, last, float(score[last]))
+
+
+def _final_state(score: np.ndarray, automaton: TokenAutomaton, tokens_after: int | None) -> tuple[np.ndarray, int]:
+    """The state a canvas ends in, from the scores after its last position: the best one from which the value can
+    close within `tokens_after` tokens (None: no limit), else the reachable one nearest to closing. Returns the
+    scores left to choose from and that state."""
+    reached = np.isfinite(score)
+    if not reached.any():
+        raise ConstraintError("no canvas satisfies the output format from this point")
+    if tokens_after is not None:
+        to_close = automaton.tokens_to_close
+        fits = reached & (to_close <= tokens_after)
+        score = np.where(fits if fits.any() else reached & (to_close == to_close[reached].min()), score, -np.inf)
+    return score, int(np.argmax(score))
 
 
 def _row_argmax(x, mx, lse, row_max, bound, rows, cols, lp, i: int) -> int:
@@ -603,14 +610,7 @@ def best_canvas_reference(logits: np.ndarray, automaton: TokenAutomaton, state: 
             new[a.end] = stay
             back[i, a.end] = -1
         score = new
-    reached = np.isfinite(score)
-    if not reached.any():
-        raise ConstraintError("no canvas satisfies the output format from this point")
-    if tokens_after is not None:
-        to_close = a.tokens_to_close
-        fits = reached & (to_close <= tokens_after)
-        score = np.where(fits if fits.any() else reached & (to_close == to_close[reached].min()), score, -np.inf)
-    last = int(np.argmax(score))
+    score, last = _final_state(score, a, tokens_after)
     ids = [0] * positions
     s = last
     for i in range(positions - 1, -1, -1):
