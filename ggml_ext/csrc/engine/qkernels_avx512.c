@@ -310,17 +310,16 @@ INLINE void ktile16(const sblock16 *wb, const uint8_t **x, float **y, int64_t j0
 
 #define DEFINE_KQUANT_JOB(NAME, KIND, TYPE)                                                               \
     TARGET static void NAME##_job(const dg_qk_job *job) {                                                 \
+        const kquant_kind kind = KIND; /* a constant: ktile16 is inlined for it */                        \
         sblock16 *wb = (sblock16 *)job->scratch;                                                          \
         int64_t j = job->n0;                                                                              \
         for (; j + 16 <= job->n1; j += 16) {                                                              \
             NAME##_prep(job, j, wb);                                                                      \
-            FOR_EACH_TILE(6, job->n_rows, NAME##_TILE);                                                   \
+            FOR_EACH_TILE(6, job->n_rows, KTILE16);                                                       \
         }                                                                                                 \
         rest_avx2(job, j, TYPE);                                                                          \
     }
-#define q4_K_TILE(n) ktile16(wb, job->x + r, job->y + r, j, job->nb, KIND_Q4_K, n)
-#define q6_K_TILE(n) ktile16(wb, job->x + r, job->y + r, j, job->nb, KIND_Q6_K, n)
-#define iq4_xs_TILE(n) ktile16(wb, job->x + r, job->y + r, j, job->nb, KIND_IQ4_XS, n)
+#define KTILE16(n) ktile16(wb, job->x + r, job->y + r, j, job->nb, kind, n)
 DEFINE_KQUANT_JOB(q4_K, KIND_Q4_K, GGML_TYPE_Q4_K)
 DEFINE_KQUANT_JOB(q6_K, KIND_Q6_K, GGML_TYPE_Q6_K)
 DEFINE_KQUANT_JOB(iq4_xs, KIND_IQ4_XS, GGML_TYPE_IQ4_XS)
