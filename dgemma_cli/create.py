@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from dgemma_engine.arch import ARCH
+from dgemma_engine.chat.templates import template_format
 from dgemma_engine.gguf_keys import KEY_CANVAS_LENGTH, KEY_CHAT_TEMPLATE, KEY_GENERAL_TYPE, KEY_TOKENIZER_MODEL
 
 from dgemma_cli.errors import DgemmaError
@@ -44,10 +45,6 @@ def human_number(n: int) -> str:
     return str(n)
 
 
-def template_format(text: str) -> str:
-    return "jinja" if "{%" in text or "messages" in text else "go"
-
-
 TEMPLATE_CHECK_MESSAGES = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"},
                            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
 
@@ -56,7 +53,7 @@ def check_jinja_template(text: str) -> None:
     """Test-render a Jinja chat template with the renderer inference uses (same sandbox, same time and size
     budget), so a template refused at run time for any conversation is refused here too
     (docs/compat.md#template-policy)."""
-    from dgemma_engine.chat import ChatTemplateError, render_chat
+    from dgemma_engine.chat.jinja import ChatTemplateError, render_chat
 
     try:
         render_chat(text, TEMPLATE_CHECK_MESSAGES, bos_token="<bos>", eos_token="<eos>")

@@ -60,7 +60,7 @@ class FakeRunner:
         self.special_tokens = None
         self.metadata: dict[str, Any] = {"general.architecture": "diffusion-gemma"}
         self.has_thinking = behaviour.has_thinking
-        from dgemma_engine.tool_calls import FORMATS
+        from dgemma_engine.chat.tool_calls import FORMATS
 
         self.tool_format = FORMATS[0] if behaviour.tools else None
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dgemma_engine.chat import ChatTemplateError, render_chat, special_tokens
+from dgemma_engine.chat.jinja import ChatTemplateError, render_chat, special_tokens
 from dgemma_engine.errors import EngineError
 from dgemma_engine.tokenizer import Tokenizer
 

@@ -293,13 +293,12 @@ def test_two_adapters_with_one_file_name_are_both_applied(tmp_path, base, lora_g
 def test_show_on_a_public_bind_prints_no_adapter_paths(tmp_path, base, lora_gguf):
     from dgemma_cli.create import create_model
     from dgemma_cli.modelfile import parse_modelfile
-    from dgemma_cli.names import ModelName
-    from dgemma_cli.server.services import ResolvedModel, Services
+    from dgemma_cli.server import model_info
 
     store = Store(tmp_path / "store")
     list(create_model("m", parse_modelfile(f"FROM {base}\nADAPTER {lora_gguf}\n"), store, tmp_path))
     config = ServerConfig.from_env({"DGEMMA_MODELS": str(store.root), "DGEMMA_HOST": "0.0.0.0:11434"})
-    show = Services(config, store, None, "0").show(ResolvedModel(ModelName.parse("m"), store.resolve("m")), False)
+    show = model_info.show(store.resolve("m"), False, config.host.is_loopback)
     assert "ADAPTER" not in show.modelfile and str(store.root) not in show.modelfile
     assert "FROM m:latest" in show.modelfile and len(show.adapters) == 1
 

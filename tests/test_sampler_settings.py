@@ -115,11 +115,27 @@ def test_callers_raise_their_own_error_type():
         check_parameter_ranges({"diffusion_t_min": 0.9, "diffusion_t_max": 0.1})
 
 
-def test_precheck_does_not_guess_an_unknown_relation():
-    server_options.precheck_sampler({"diffusion_t_min": 5.0}, 256)  # the model's t_max is unknown before its load
+def test_a_relation_is_checked_against_the_model_s_own_default():
+    def decode(options, metadata):
+        return server_options.decode_options({}, options, metadata, 4096, 256)
+
+    assert decode({"diffusion_t_min": 5.0}, {"diffusion.eb_t_max": 10.0}).sampler.t_min == 5.0
+    with pytest.raises(RequestError, match=r"diffusion_t_max: 0\.8 \(must be at least diffusion_t_min \(5"):
+        decode({"diffusion_t_min": 5.0}, {})  # the released t_max
     with pytest.raises(RequestError, match="diffusion_t_max"):
-        server_options.precheck_sampler({"diffusion_t_min": 0.9, "diffusion_t_max": 0.1}, 256)
+        decode({"diffusion_t_min": 0.9, "diffusion_t_max": 0.1}, {"diffusion.eb_t_max": 10.0})
     assert math.isinf(server_options.resolve_sampler({"diffusion_t_max": math.inf}, {}, 256).t_max)
+
+
+def test_options_are_decoded_once_into_one_record():
+    decoded = server_options.decode_options({"num_ctx": 2048, "temperature": 0.5, "num_gpu": 3},
+                                            {"temperature": 0.7, "num_predict": 20, "unknown": 1}, {}, 4096, 256)
+    assert (decoded.num_ctx, decoded.placement) == (2048, {"num_gpu": 3})
+    assert (decoded.sampler.num_predict, decoded.sampler.max_steps) == (20, 48)
+    assert server_options.decode_options(None, None, {"diffusion.eb_max_steps": 12}, 4096, 256).sampler.max_steps == 12
+    assert server_options.decode_options(None, None, {}, 4096, 256).num_ctx == 4096
+    with pytest.raises(RequestError, match=r"^invalid value for num_ctx: 0 \(must be at least 1\)$"):
+        server_options.decode_options(None, {"num_ctx": 0}, {}, 4096, 256)
 
 
 # ---- one new row reaches every front end --------------------------------------------------------------------------
@@ -157,7 +173,7 @@ def test_a_new_row_is_an_api_option(fake_row):
     assert resolved.warmup_steps == 4 and resolved.max_steps == 48
     assert server_options.resolve_sampler({}, {"diffusion.eb_warmup_steps": 2}, 256).warmup_steps == 2
     with pytest.raises(RequestError, match=r"^invalid value for diffusion_warmup_steps: 0 \(must be at least 1\)$"):
-        server_options.precheck_sampler({"diffusion_warmup_steps": 0}, 256)
+        server_options.resolve_sampler({"diffusion_warmup_steps": 0}, {}, 256)
 
 
 def test_a_new_row_is_a_repl_parameter(fake_row, monkeypatch):

@@ -188,7 +188,7 @@ def test_timestamps_and_path_scrubbing():
 
 
 def test_go_template_safe_subset():
-    from dgemma_cli.server import gotemplate
+    from dgemma_engine.chat import gotemplate
 
     template = "{{- if .System }}<sys>{{ .System }}</sys>\n{{ end -}}<u>{{ .Prompt }}</u>\n<a>{{ .Response }}"
     text = gotemplate.render_messages(template, [
@@ -206,7 +206,7 @@ def test_go_template_safe_subset():
 def test_template_selection_order():
     from types import SimpleNamespace
 
-    from dgemma_cli.server.runner import select_template
+    from dgemma_engine.chat.templates import select_template
 
     gguf = {"tokenizer.chat_template": "{{ messages }}"}
     jinja_layer = SimpleNamespace(template="{% for m in messages %}{% endfor %}", config={"template_format": "jinja"})

@@ -134,7 +134,7 @@ def test_prompt_text_is_what_the_template_renders_and_tokenizes_like_the_recipe(
 def test_template_answers_the_latest_user_message_only_and_ignores_tools():
     """Modelfile, checkpoint and GGUF carry one template; a second turn (or Open WebUI's tools) must not break the
     grid: only the latest user message renders."""
-    from dgemma_engine.chat import render_chat
+    from dgemma_engine.chat.jinja import render_chat
     from dgemma_engine.model import Model
 
     assert (CHECKPOINT / "chat_template.jinja").read_text() == vocab.CHAT_TEMPLATE

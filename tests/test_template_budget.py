@@ -10,7 +10,7 @@ import pytest
 
 from dgemma_cli.server.config import ServerConfig
 from dgemma_cli.store import Store
-from dgemma_engine.chat import ChatTemplateBudgetError, ChatTemplateError, render_chat
+from dgemma_engine.chat.jinja import ChatTemplateBudgetError, ChatTemplateError, render_chat
 from server_harness import FakeBehaviour, InProcessServer, add_model, fake_factory, write_small_gguf
 
 NESTED = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"

@@ -2,7 +2,7 @@
 import jinja2
 from hypothesis import given, settings, strategies as st
 
-from dgemma_engine.tool_calls import (FORMATS, ToolCall, ToolCallFormat, ToolCallStream, format_for_template,
+from dgemma_engine.chat.tool_calls import (FORMATS, ToolCall, ToolCallFormat, ToolCallStream, format_for_template,
                                       parse_gemma4_body)
 from surface_capture import FIXTURES
 

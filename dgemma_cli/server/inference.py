@@ -18,7 +18,7 @@ from dgemma_cli.server.runner import Runner
 from dgemma_cli.server.truncation import fit_chat
 from dgemma_cli.wire import Metrics, Progress
 from dgemma_engine.events import CanvasEvent, DoneEvent, StepEvent
-from dgemma_engine.tool_calls import ToolCall, ToolCallFormat, ToolCallStream
+from dgemma_engine.chat.tool_calls import ToolCall, ToolCallFormat, ToolCallStream
 
 THOUGHT_OPEN = "<|channel>thought"
 THOUGHT_CLOSE = "<channel|>"
@@ -61,7 +61,7 @@ def no_room_error(prompt_tokens: int, canvas: int, n_ctx: int) -> RequestError:
 def render_failed(exc: Exception) -> RequestError:
     """Template failures (sandbox violations included) are a clean 500 without internals (docs/compat.md, security H25);
     a render over its time or size budget is a 400 with the budget's one line: the request's data drove it there."""
-    from dgemma_engine.chat import ChatTemplateBudgetError
+    from dgemma_engine.chat.jinja import ChatTemplateBudgetError
 
     if isinstance(exc, ChatTemplateBudgetError):
         return RequestError(str(exc))

@@ -8,12 +8,14 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from dgemma_engine.chat.jinja import ChatTemplateBudgetError, ChatTemplateError
+from dgemma_engine.chat.templates import ChatTemplate, render_prompt
 from fastapi import Request
 
 from dgemma_cli.server import inference
 from dgemma_cli.server.errors import RequestError
-from dgemma_cli.server.options import precheck_sampler, resolve_sampler
-from dgemma_cli.server.runner import ChatTemplate, render_prompt
+from dgemma_cli.server.options import RequestOptions
+from dgemma_cli.server.scheduler import placed_model
 from dgemma_cli.server.services import ResolvedModel, Services, services
 from dgemma_cli.server.structured import OutputFormat
 from dgemma_cli.server.streaming import WorkerStream, until_disconnected
@@ -70,6 +72,10 @@ def render_messages(runner, messages: list[dict], thinking: bool | None, overrid
         return runner.render_chat(messages, thinking)
     except RequestError:
         raise
+    except ChatTemplateError as exc:
+        if override is not None and override.from_request and not isinstance(exc, ChatTemplateBudgetError):
+            raise RequestError(f"template error: {exc.detail}"[:300]) from None  # the caller's own template
+        raise inference.render_failed(exc) from None
     except Exception as exc:  # noqa: BLE001
         raise inference.render_failed(exc) from None
 
@@ -114,16 +120,15 @@ def offered_tools(model: ResolvedModel, runner, tools: list[dict] | None) -> tup
 class Job:
     """What a generate/chat request resolved to once its model is resident."""
 
-    def __init__(self, svc: Services, model: ResolvedModel, options: dict, keep_alive: float | None,
+    def __init__(self, svc: Services, model: ResolvedModel, options: RequestOptions, keep_alive: float | None,
                  output_format: OutputFormat | None = None):
         self.svc = svc
         self.output_format = output_format
         self.model = model
-        self.options = options
+        self.sampler = options.sampler
+        self.num_ctx = options.num_ctx
         self.keep_alive = keep_alive
-        self.num_ctx = svc.num_ctx(model, options)
-        self.local = svc.placed_model(model, options)
-        precheck_sampler(options, svc.config.max_steps)  # a bad option is a 400 before any model load
+        self.local = placed_model(model.local, options.placement)
         self.started = time.perf_counter()
 
     async def start(self, request: Request, build_prompt, think, tools: list[dict] | None = None) -> WorkerStream:
@@ -138,7 +143,7 @@ class Job:
         )
         try:
             runner = lease.runner
-            sampler = resolve_sampler(self.options, runner.metadata, self.svc.config.max_steps)
+            sampler = self.sampler
             thinking = think_flag(self.model, think, runner.has_thinking)
             template_tools, tool_format = offered_tools(self.model, runner, tools)
             prompt_ids = await asyncio.to_thread(build_prompt, runner, thinking, template_tools)

@@ -9,6 +9,8 @@ from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
 from dgemma_engine.arch import ARCH
+from dgemma_engine.chat import gotemplate
+from dgemma_engine.chat.templates import ChatTemplate, template_format
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
@@ -16,13 +18,12 @@ from dgemma_cli import wire
 from dgemma_cli.bundled import bundled_modelfile, mark_deleted, pull_bundled
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gotext import parse_keep_alive
-from dgemma_cli.server import gotemplate, inference, truncation
+from dgemma_cli.server import create_upload, inference, model_info, truncation
 from dgemma_cli.server.errors import NotFound, RequestError
 from dgemma_cli.server.inference import Final, Progress, Text
 from dgemma_cli.server.jobs import Job, admitted, common_checks, render_messages, with_model_messages
-from dgemma_cli.server.options import check_options
+from dgemma_cli.server.options import check_options, request_options
 from dgemma_cli.server.routing import CheckedRoute
-from dgemma_cli.server.runner import ChatTemplate
 from dgemma_cli.server.services import ResolvedModel, Services, services
 from dgemma_cli.server.streaming import (
     NDJSON,
@@ -138,9 +139,8 @@ async def generate(req: wire.GenerateRequest, request: Request):
         raise RequestError(f"{model.full} does not support vision")
     common_checks(model, req.logprobs, req.top_logprobs)
     output_format = ollama_format(req.format)
-    options = svc.merged_options(model, req.options)
-    if req.steps is not None:
-        options["diffusion_steps"] = check_options({"diffusion_steps": req.steps})["diffusion_steps"]
+    steps = {} if req.steps is None else {"diffusion_steps": req.steps}
+    options = await request_options(svc.config, model.local, {**(req.options or {}), **steps})
     keep_alive = _keep_alive(req.keep_alive)
     if not req.prompt:
         job = Job(svc, model, options, keep_alive)
@@ -173,8 +173,6 @@ async def generate(req: wire.GenerateRequest, request: Request):
 def _request_template(text: str) -> ChatTemplate:
     """A per-request `template` (docs/compat.md#generate), classified like a Modelfile TEMPLATE: Jinja is sandboxed, Go
     only in the safe subset (anything else is a 400, since the caller asked for this template explicitly)."""
-    from dgemma_cli.create import template_format
-
     if template_format(text) == "jinja":
         return ChatTemplate("jinja", text, from_request=True)
     try:
@@ -200,7 +198,7 @@ async def chat(req: wire.ChatRequest, request: Request):
             message.setdefault("name", message["tool_name"])  # the name HF-style templates read
     common_checks(model, req.logprobs, req.top_logprobs)
     output_format = ollama_format(req.format)
-    options = svc.merged_options(model, req.options)
+    options = await request_options(svc.config, model.local, req.options)
     keep_alive = _keep_alive(req.keep_alive)
     if not messages:
         job = Job(svc, model, options, keep_alive)
@@ -267,7 +265,7 @@ async def tags(request: Request) -> JSONResponse:
             modified_at=timestamp_of(e.modified),
             size=e.size,
             digest=e.digest,
-            details=svc.details(e.details),
+            details=model_info.details(e.details),
             capabilities=["completion", "diffusion"] if e.details.get("family") == ARCH else ["completion"],
         )
         for e in entries
@@ -289,7 +287,7 @@ async def ps(request: Request) -> JSONResponse:
                 model=resident.name,
                 size=runner.size,
                 digest=str(getattr(local, "manifest_digest", "")).removeprefix("sha256:"),
-                details=svc.details_of(local),
+                details=model_info.details_of(local),
                 expires_at=timestamp_of(resident.expiry_for_ps(now)),
                 size_vram=runner.size_vram,
                 context_length=runner.context_length,
@@ -302,7 +300,7 @@ async def ps(request: Request) -> JSONResponse:
 async def show(req: wire.ShowRequest, request: Request) -> JSONResponse:
     svc = services(request)
     model = await svc.resolve(_model_text(req.model, req.name))
-    answer = await asyncio.to_thread(svc.show, model, bool(req.verbose))
+    answer = await asyncio.to_thread(model_info.show, model.local, bool(req.verbose), svc.config.host.is_loopback)
     return JSONResponse(answer.wire())
 
 
@@ -374,12 +372,12 @@ async def create(req: wire.CreateRequest, request: Request):
         if not _clean_relative(key):
             raise RequestError("file path must be relative")
         svc.blob_path(digest)  # the one validator: 400 invalid digest format
-    gguf_paths = await asyncio.to_thread(svc.check_create_files, req.files or {})
+    gguf_paths = await asyncio.to_thread(create_upload.check_files, svc.store, req.files or {})
     if req.adapters:
-        await asyncio.to_thread(svc.check_create_adapters, req.adapters, gguf_paths, req.from_)
+        await asyncio.to_thread(create_upload.check_adapters, svc.store, req.adapters, gguf_paths, req.from_)
 
     def produce(cancel: threading.Event):
-        return svc.create(name, req, gguf_paths)
+        return create_upload.create(svc.store, name, req, gguf_paths)
 
     return await _progress_answer(request, WorkerStream(produce, lambda failed: None), req.stream)
 

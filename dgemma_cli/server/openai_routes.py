@@ -18,6 +18,7 @@ from dgemma_cli.server import inference
 from dgemma_cli.server.errors import NotFound, RequestError
 from dgemma_cli.server.inference import Final, Text
 from dgemma_cli.server.jobs import Job, admitted, common_checks, render_messages, with_model_messages
+from dgemma_cli.server.options import request_options
 from dgemma_cli.server.routing import CheckedRoute
 from dgemma_cli.server.services import services
 from dgemma_cli.server.streaming import (
@@ -134,20 +135,12 @@ def _message_text(model, message: wire.OpenAIMessage) -> str:
     return "".join(parts)
 
 
-def _num_ctx(svc, model) -> int:
-    return svc.num_ctx(model, svc.merged_options(model, None))  # OpenAI requests cannot set num_ctx
-
-
-async def _prepare(request: Request, req: Any, build_prompt, max_tokens: int | None, think: Any,
-                   tools: list[dict] | None = None, output_format: OutputFormat | None = None):
-    svc = services(request)
+async def _job(svc, model, req: Any, max_tokens: int | None, output_format: OutputFormat | None = None) -> Job:
+    """The request's options decoded once, into the job that will run it."""
     if req.n is not None and req.n > 1:
         raise RequestError("n greater than 1 is not supported")
-    model = await svc.resolve_runnable(req.model)
-    options = svc.merged_options(model, _options(req, max_tokens))
-    job = Job(svc, model, options, None, output_format)
-    stream = await job.start(request, build_prompt, think, tools)
-    return model, stream
+    options = await request_options(svc.config, model.local, _options(req, max_tokens))
+    return Job(svc, model, options, None, output_format)
 
 
 def _sse(stream: WorkerStream, events) -> GuardedStreamingResponse:
@@ -171,21 +164,21 @@ async def chat_completions(req: wire.ChatCompletionRequest, request: Request):
     if not req.messages:
         raise RequestError("messages must not be empty")
     svc = services(request)
-    model_probe = await svc.resolve_runnable(req.model)
+    model = await svc.resolve_runnable(req.model)
     output_format = None
     if req.response_format is not None:
         schema = (req.response_format.json_schema or {}).get("schema")
         output_format = openai_format(req.response_format.type, schema)
-    common_checks(model_probe, req.logprobs, req.top_logprobs)
-    messages = with_model_messages(model_probe, _chat_messages(model_probe, req.messages))
-    check_chat_size(_num_ctx(svc, model_probe), messages, truncate=req.truncate is not False)
+    common_checks(model, req.logprobs, req.top_logprobs)
+    messages = with_model_messages(model, _chat_messages(model, req.messages))
+    job = await _job(svc, model, req, req.max_completion_tokens or req.max_tokens, output_format)
+    check_chat_size(job.num_ctx, messages, truncate=req.truncate is not False)
     think = req.reasoning_effort if req.reasoning_effort not in (None, "none") else None
 
     def build_prompt(runner, thinking, tools):
         return inference.chat_prompt(runner, messages, thinking, req.truncate is not False, tools)
 
-    model, stream = await _prepare(request, req, build_prompt, req.max_completion_tokens or req.max_tokens, think,
-                                   req.tools, output_format)
+    stream = await job.start(request, build_prompt, think, req.tools)
     head = _head("chatcmpl-", model)
 
     if req.stream:
@@ -230,20 +223,21 @@ async def chat_completions(req: wire.ChatCompletionRequest, request: Request):
 @admitted
 async def completions(req: wire.CompletionRequest, request: Request):
     svc = services(request)
-    model_probe = await svc.resolve_runnable(req.model)
+    model = await svc.resolve_runnable(req.model)
     if req.suffix:
-        raise RequestError(f"{model_probe.full} does not support insert")
+        raise RequestError(f"{model.full} does not support insert")
     if req.logprobs:
-        raise RequestError(f"{model_probe.quoted} does not support logprobs")
+        raise RequestError(f"{model.quoted} does not support logprobs")
     prompt = single_prompt(req.prompt)
 
-    messages = with_model_messages(model_probe, [{"role": "user", "content": prompt}])
-    check_chat_size(_num_ctx(svc, model_probe), messages, truncate=False)
+    messages = with_model_messages(model, [{"role": "user", "content": prompt}])
+    job = await _job(svc, model, req, req.max_tokens)
+    check_chat_size(job.num_ctx, messages, truncate=False)
 
     def build_prompt(runner, thinking, _tools):
         return runner.tokenize(render_messages(runner, messages, thinking))
 
-    model, stream = await _prepare(request, req, build_prompt, req.max_tokens, None)
+    stream = await job.start(request, build_prompt, None)
     head = _head("cmpl-", model)
 
     def completion(text: str | None, finish: str | None, usage: wire.Usage | None = None) -> wire.Completion:

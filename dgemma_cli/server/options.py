@@ -4,13 +4,20 @@ resolve to.
 Unknown keys are ignored (clients such as LangChain send Ollama-only knobs); known keys with the wrong JSON type are a
 400 naming the expected type, exactly like Ollama. Diffusion defaults come from the model's GGUF metadata, falling back
 to the reference `generation_config.json` values.
+
+A request's options are decoded once, in its route, into a `RequestOptions` (`decode_options`): the Modelfile's
+PARAMETERs, the request's options on top, typed, merged over the model's defaults and range-checked. The job carries
+that record to the runner; nothing downstream reads the options dict again.
 """
+import asyncio
+import functools
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dgemma_cli.errors import out_of_range
+from dgemma_cli.server.config import ServerConfig
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.validation import INT64_MAX, INT64_MIN, check_float32
 from dgemma_engine import settings
@@ -100,18 +107,9 @@ class SamplerSettings(SamplerParams):
     preview: bool = False
 
 
-def precheck_sampler(options: dict[str, Any], max_steps_cap: int) -> None:
-    """The range checks that do not depend on the model's defaults, run before a model is loaded for the request
-    (a bad option must not cost a model load). `resolve_sampler` repeats them with the defaults filled in."""
-    explicit = {s.option: options[s.option] for s in settings.SAMPLER_SETTINGS if s.option in options}
-    for setting in settings.SAMPLER_SETTINGS:
-        if isinstance(setting.limits.low, str):  # a bound on another setting: unknown before the model's defaults
-            explicit.setdefault(setting.option, math.inf)
-    resolve_sampler(explicit, {}, max_steps_cap)
-
-
 def resolve_sampler(options: dict[str, Any], metadata: dict, max_steps_cap: int) -> SamplerSettings:
-    """Merge validated `options` over the model's diffusion defaults (GGUF, else released) and check the ranges."""
+    """Merge typed `options` over the model's diffusion defaults (its GGUF `metadata`, else the released ones) and
+    check the ranges: the one place a sampler setting is range-checked."""
     values = settings.defaults_from_metadata(metadata)
     for setting in settings.SAMPLER_SETTINGS:
         if setting.option in options:
@@ -134,3 +132,48 @@ def resolve_sampler(options: dict[str, Any], metadata: dict, max_steps_cap: int)
         progress=preview or bool(options.get("diffusion_progress", False)),
         preview=preview,
     )
+
+
+# load-time options that change where the weights go: a runner loaded with other values is reloaded
+PLACEMENT_OPTIONS = ("num_gpu", "num_cpu_moe")
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a request's options decided, once, in the route."""
+
+    sampler: SamplerSettings
+    num_ctx: int
+    placement: dict[str, int] = field(default_factory=dict)  # PLACEMENT_OPTIONS given: what the runner loads with
+
+
+def decode_options(parameters: dict[str, Any] | None, request_options: dict[str, Any] | None,
+                   metadata: dict[str, Any], context_length: int, max_steps_cap: int) -> RequestOptions:
+    """Modelfile `parameters`, then the request's options on top, typed (docs/compat.md#options-typing) and resolved
+    over the model's GGUF `metadata`; `context_length` is num_ctx when neither sets it."""
+    options = check_options(parameters)
+    options.update(check_options(request_options))
+    num_ctx = int(options.get("num_ctx", context_length))
+    if num_ctx < 1:
+        raise RequestError(f"invalid value for num_ctx: {num_ctx} (must be at least 1)")
+    placement = {name: options[name] for name in PLACEMENT_OPTIONS if name in options}
+    return RequestOptions(resolve_sampler(options, metadata, max_steps_cap), num_ctx, placement)
+
+
+@functools.lru_cache(maxsize=16)
+def sampler_metadata(gguf_path: str) -> dict[str, Any]:
+    """The sampler defaults a model's GGUF holds (its `diffusion.eb_*` keys), read from the header without loading
+    weights; cached by path, since store blobs are content-addressed and never change."""
+    from dgemma_cli.gguf_check import read_gguf_info
+
+    metadata = read_gguf_info(gguf_path).metadata
+    keys = {s.gguf_key for s in settings.SAMPLER_SETTINGS if s.gguf_key is not None}
+    return {key: metadata[key] for key in keys if key in metadata}
+
+
+async def request_options(config: ServerConfig, local_model: Any, request_options: dict[str, Any] | None
+                          ) -> RequestOptions:
+    """`decode_options` for a stored model (its Modelfile PARAMETERs and GGUF) under the server's limits."""
+    metadata = await asyncio.to_thread(sampler_metadata, str(local_model.gguf_path))
+    return decode_options(local_model.parameters, request_options, metadata, config.context_length,
+                          config.max_steps)

@@ -19,10 +19,11 @@ from dgemma_cli.server.inference import Final, Text
 from dgemma_cli.server.jobs import Job, admitted, with_model_messages
 from dgemma_cli.server.services import services
 from dgemma_cli.server.streaming import SSE, GuardedStreamingResponse, WorkerStream, collect, error_message, guarded_stream
+from dgemma_cli.server.options import request_options
 from dgemma_cli.server.routing import CheckedRoute
 from dgemma_cli.server.structured import openai_format
 from dgemma_cli.server.validation import chat_role
-from dgemma_engine.tool_calls import ToolCall
+from dgemma_engine.chat.tool_calls import ToolCall
 
 router = APIRouter(prefix="/v1", route_class=CheckedRoute)
 ERRORS = {status: {"model": wire.OpenAIError} for status in (400, 404, 500, 503)}
@@ -357,7 +358,7 @@ async def create_response(req: wire.ResponsesRequest, request: Request):
     def build_prompt(runner, thinking, template_tools):
         return inference.chat_prompt(runner, messages, thinking, True, template_tools)
 
-    job = Job(svc, model, svc.merged_options(model, _options(req)), None, output_format)
+    job = Job(svc, model, await request_options(svc.config, model.local, _options(req)), None, output_format)
     stream = await job.start(request, build_prompt, think, tools)
     built = ResponseBuilder(model.display, req)
     if req.stream:

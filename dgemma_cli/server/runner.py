@@ -7,15 +7,14 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dgemma_engine.arch import ARCH
 
-from dgemma_cli.server import gotemplate
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import SamplerSettings
 from dgemma_engine import gguf_keys
+from dgemma_engine.chat.templates import render_prompt, select_template, tool_format_of
 
 
 class Runner(Protocol):
@@ -25,7 +24,7 @@ class Runner(Protocol):
     size_vram: int  # bytes on an accelerator (0 on CPU)
     metadata: dict[str, Any]
     has_thinking: bool
-    tool_format: Any  # dgemma_engine.tool_calls.ToolCallFormat of the chat template, None: it cannot render tools
+    tool_format: Any  # dgemma_engine.chat.tool_calls.ToolCallFormat of the chat template, None: it cannot render tools
     special_tokens: Any  # dgemma_engine.chat.special_tokens of the vocabulary: what a per-request template renders with
 
     def render_chat(self, messages: list[dict], think: bool | None, tools: list[dict] | None = None) -> str: ...
@@ -47,67 +46,6 @@ class Runner(Protocol):
 
 
 log = logging.getLogger("dgemma.server")
-
-
-@dataclass(frozen=True)
-class ChatTemplate:
-    kind: str  # "jinja" | "go" | "none"
-    text: str = ""
-    from_request: bool = False  # a per-request `template`: its failures are the client's (400), not the model's
-
-
-def select_template(local_model: Any, metadata: dict) -> ChatTemplate:
-    """docs/compat.md#template-policy: a Jinja TEMPLATE layer, else the GGUF's `tokenizer.chat_template`, else a Go
-    TEMPLATE in the safe subset, else the bare prompt. Go templates are never given to Jinja."""
-    jinja = jinja_template_text(local_model, metadata)
-    if jinja:
-        return ChatTemplate("jinja", jinja)
-    template = getattr(local_model, "template", None) or None
-    if template:
-        try:
-            gotemplate.parse(template)
-            return ChatTemplate("go", template)
-        except gotemplate.UnsupportedTemplate as exc:
-            log.warning("ignoring the model's Go template: %s", exc)
-    return ChatTemplate("none")
-
-
-def tool_format_of(template: ChatTemplate) -> Any:
-    """The tool-call syntax of a Jinja template that declares tools (dgemma_engine.tool_calls), else None."""
-    from dgemma_engine.tool_calls import format_for_template
-
-    return format_for_template(template.text) if template.kind == "jinja" else None
-
-
-def jinja_template_text(local_model: Any, metadata: dict) -> str | None:
-    """The Jinja template a model renders with, if any: its Jinja TEMPLATE layer, else the GGUF's chat template."""
-    template = getattr(local_model, "template", None) or None
-    config = getattr(local_model, "config", None) or {}
-    if template and config.get("template_format") == "jinja":
-        return template
-    chat_template = metadata.get(gguf_keys.KEY_CHAT_TEMPLATE)
-    return str(chat_template) if chat_template else None
-
-
-def render_prompt(template: ChatTemplate, messages: list[dict], think: bool | None,
-                  special_tokens: dict[str, str] | None = None, tools: list[dict] | None = None) -> str:
-    """`special_tokens`: bos_token, eos_token, ... as HF passes them to templates (`{{ bos_token }}` starts a prompt).
-    `tools` reach Jinja templates only (as transformers' apply_chat_template(tools=...) passes them)."""
-    if template.kind == "jinja":
-        from dgemma_engine.chat import ChatTemplateBudgetError, ChatTemplateError, render_chat
-
-        try:
-            return render_chat(template.text, messages, add_generation_prompt=True, enable_thinking=bool(think),
-                               tools=tools or None, **(special_tokens or {}))
-        except ChatTemplateBudgetError:
-            raise
-        except ChatTemplateError as exc:
-            if template.from_request:
-                raise RequestError(f"template error: {exc.detail}"[:300]) from None
-            raise
-    if template.kind == "go":
-        return gotemplate.render_messages(template.text, messages)
-    return "\n".join(str(m.get("content") or "") for m in messages)  # rule 4: the bare prompt
 
 
 def vram_bytes(placement: Any, size: int) -> int:
@@ -154,7 +92,7 @@ class EngineRunner:
         except BaseException:
             self.model.close()
             raise
-        from dgemma_engine.chat import special_tokens
+        from dgemma_engine.chat.jinja import special_tokens
 
         self.special_tokens = special_tokens(self.metadata)  # computed once: it scans the whole vocabulary
         self.template = select_template(local_model, self.metadata)

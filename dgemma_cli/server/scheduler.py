@@ -12,6 +12,7 @@
 """
 import asyncio
 import contextlib
+import copy
 import contextvars
 import logging
 import math
@@ -22,6 +23,7 @@ from typing import Any
 
 from dgemma_cli.server.config import ServerConfig
 from dgemma_cli.server.errors import RequestError, ServerBusy
+from dgemma_cli.server.options import PLACEMENT_OPTIONS
 from dgemma_cli.server.runner import Runner
 
 log = logging.getLogger("dgemma.server")
@@ -31,14 +33,21 @@ FAR_FUTURE_SECONDS = 290 * 365.25 * 86400  # what `ps` shows for "forever", as O
 _ticket: contextvars.ContextVar["_Ticket | None"] = contextvars.ContextVar("dgemma_pending_ticket", default=None)
 
 
-# load-time options that change where the weights go: a runner loaded with other values is reloaded
-PLACEMENT_OPTIONS = ("num_gpu", "num_cpu_moe")
-
-
 def generation_slots(model: Any, default: int) -> int:
     """Concurrent generations for `model`: its Modelfile's `num_parallel` (checked at create), else the server's."""
     value = (getattr(model, "parameters", None) or {}).get("num_parallel")
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else default
+
+
+def placed_model(local: Any, placement: dict[str, int]) -> Any:
+    """The stored model with a request's placement options as its parameters: what the runner loads with, and what
+    runners are told apart by (`model_identity`)."""
+    parameters = dict(getattr(local, "parameters", None) or {})
+    if all(parameters.get(name) == value for name, value in placement.items()):
+        return local
+    placed = copy.copy(local)
+    placed.parameters = {**parameters, **placement}
+    return placed
 
 
 def model_identity(model: Any) -> tuple:

@@ -7,7 +7,7 @@ more than place the three strings. Any other construct makes the whole template 
 import re
 from dataclasses import dataclass, field
 
-from dgemma_cli.errors import DgemmaError
+from dgemma_engine.errors import DgemmaError
 
 FIELDS = ("System", "Prompt", "Response")
 _ACTION = re.compile(r"\{\{(-?)(.*?)(-?)\}\}", re.DOTALL)

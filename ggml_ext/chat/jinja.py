@@ -2,7 +2,7 @@
 
 Templates come from model files and Modelfiles, i.e. from strangers, so they run in jinja2's
 `ImmutableSandboxedEnvironment` (no attribute walking to Python internals, no mutation of inputs) with a time and
-size budget per render (chat_budget.py) that no data-dependent branch can escape. The helpers HF templates expect are provided with HF's
+size budget per render (budget.py) that no data-dependent branch can escape. The helpers HF templates expect are provided with HF's
 semantics: `raise_exception`, `tojson` (no HTML escaping, ensure_ascii off), `strftime_now`, `namespace` (no
 underscore names), `dict`, loop controls and the `{% generation %}` block. Inputs are copied into plain JSON values.
 """
@@ -18,7 +18,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
 
-from dgemma_engine.chat_budget import BudgetedSandbox, BudgetExceeded, RenderBudget, active_budget
+from dgemma_engine.chat.budget import BudgetedSandbox, BudgetExceeded, RenderBudget, active_budget
 from dgemma_engine.errors import EngineError
 from dgemma_engine.gguf_keys import KEY_BOS_ID, KEY_EOS_ID, KEY_MASK_ID, KEY_PADDING_ID, KEY_TOKENS, KEY_UNKNOWN_ID
 
@@ -77,7 +77,7 @@ class _Namespace(jinja2.utils.Namespace):
 
 
 class _LimitedSandbox(BudgetedSandbox):
-    """The budgeted immutable sandbox (chat_budget.py) that also refuses, rather than hides, unsafe attributes."""
+    """The budgeted immutable sandbox (budget.py) that also refuses, rather than hides, unsafe attributes."""
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
         # jinja2 would return a silent Undefined (rendering as ""); an attempt to reach internals is an error here.
