@@ -37,7 +37,7 @@ ggml_link = {
 engine = Extension(
     "dgemma_engine._engine",
     sources=sorted(glob.glob("ggml_ext/csrc/engine/*.c")),
-    include_dirs=[include_dir, "ggml_ext/csrc/engine"],
+    include_dirs=[include_dir, "ggml_ext/csrc", "ggml_ext/csrc/engine"],
     **ggml_link,
 )
 # The engine's test hooks (kernel checks, the matmul bench) with the kernel sources they exercise: loaded by tests/ and
@@ -48,7 +48,7 @@ engine_tests = Extension(
     "dgemma_engine._engine_tests",
     sources=sorted(glob.glob("ggml_ext/csrc/engine_tests/*.c"))
     + [f"ggml_ext/csrc/engine/{name}.c" for name in HOOKED_KERNELS],
-    include_dirs=[include_dir, "ggml_ext/csrc/engine", "ggml_ext/csrc/engine_tests"],
+    include_dirs=[include_dir, "ggml_ext/csrc", "ggml_ext/csrc/engine", "ggml_ext/csrc/engine_tests"],
     **ggml_link,
 )
 # The entropy-bound sampler and torch-compatible RNG: plain C over a float logits buffer, no ggml needed.
@@ -64,7 +64,7 @@ sampler = Extension(
 kquant = Extension(
     "dgemma_convert._quant",
     sources=sorted(glob.glob("convert/csrc/*.c")),
-    include_dirs=[include_dir],
+    include_dirs=[include_dir, "ggml_ext/csrc"],
     library_dirs=[lib_dir],
     libraries=["ggml-base"],
     extra_compile_args=common_args + ["-ffp-contract=off", "-fno-fast-math"],

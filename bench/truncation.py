@@ -2,7 +2,7 @@
 
     python bench/truncation.py [--counts 250,500,1000,2000,20000] [--limit 0.5]
 
-In process, through the path `/api/chat` takes before any denoising (`inference.chat_prompt`): the tiny fixture model
+In process, through the path `/api/chat` takes before any denoising (`prompts.ChatPrompt.ids`): the tiny fixture model
 (tests/fixtures/tiny-a, converted to a temporary GGUF) loaded in the engine runner, its Gemma-4-style Jinja template
 rendered in the budgeted sandbox and its tokenizer. Each chat is a system prompt, alternating user/assistant turns and
 a latest user message, far beyond the 1,024-token window. Prints one JSON line per size and fails if 2,000 messages
@@ -40,12 +40,12 @@ def load_runner(workdir: Path):
 
 
 def time_one(runner, messages: list[dict], repeats: int) -> tuple[float, int]:
-    from dgemma_cli.server.inference import chat_prompt
+    from dgemma_cli.server.prompts import ChatPrompt
 
     best, ids = float("inf"), []
     for _ in range(repeats):
         started = time.perf_counter()
-        ids = chat_prompt(runner, messages, None, True)
+        ids = ChatPrompt(messages).ids(runner, None, None)
         best = min(best, time.perf_counter() - started)
     return best, len(ids)
 

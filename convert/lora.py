@@ -12,12 +12,14 @@ scale of `alpha_pattern` differs from the file's single alpha: that ratio is fol
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 from gguf import GGMLQuantizationType as T, GGUFValueType as V
@@ -578,3 +580,21 @@ def _to_float32(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "BF16":
         return (x.astype(np.uint32) << 16).view(np.float32)
     return x.astype(np.float32)
+
+
+@contextlib.contextmanager
+def peft_as_gguf(specs: Sequence) -> Iterator[list[tuple[Path, float]]]:
+    """Adapters for `Model.load` ((path, scale) each), with every PEFT adapter folder among `specs` converted into a
+    GGUF LoRA file in a temporary folder that lives as long as the context (the engine copies the factors at load)."""
+    from dgemma_engine.adapters import adapter_spec, is_peft_folder
+
+    with tempfile.TemporaryDirectory(prefix="dgemma-lora-") as tmp:
+        files = []
+        for i, spec in enumerate(specs):
+            path, scale = adapter_spec(spec)
+            if is_peft_folder(path):
+                out = Path(tmp) / f"{i}-{path.name}.gguf"
+                convert_lora(path, out)
+                path = out
+            files.append((path, scale))
+        yield files

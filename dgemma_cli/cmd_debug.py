@@ -17,10 +17,12 @@ def parse_ids(text: str) -> list[int]:
 LORA_HELP = "LoRA adapter: a GGUF LoRA file or a PEFT adapter folder; PATH:SCALE scales it (default 1); repeatable"
 
 
-def parse_adapters(values: Optional[List[str]]) -> list[tuple[str, float]]:
+def adapter_files(values: Optional[List[str]]):
+    """The `--lora` values as the engine loads them: GGUF LoRA files, PEFT folders converted for the command's run."""
+    from dgemma_convert.lora import peft_as_gguf
     from dgemma_engine.adapters import parse_adapter_arg
 
-    return [parse_adapter_arg(v) for v in values or []]
+    return peft_as_gguf([parse_adapter_arg(v) for v in values or []])
 
 
 @app.command("logits")
@@ -37,8 +39,9 @@ def logits(
     """Write the softcapped decoder logits for one denoising step (prompt encoded first)."""
     from dgemma_engine.debug import debug_logits
 
-    debug_logits(model, parse_ids(prompt_ids), parse_ids(canvas_ids), sc_logits, sc_temperature, out, threads,
-                 adapters=parse_adapters(lora))
+    with adapter_files(lora) as adapters:
+        debug_logits(model, parse_ids(prompt_ids), parse_ids(canvas_ids), sc_logits, sc_temperature, out, threads,
+                     adapters=adapters)
 
 
 @app.command("generate")
@@ -64,10 +67,10 @@ def generate(
     """Print JSON {"sequence": [...], "steps_per_canvas": [...]} for one generation."""
     from dgemma_engine.debug import debug_generate
 
-    debug_generate(
-        model, parse_ids(prompt_ids), seed=seed, rng=rng, max_new_tokens=max_new_tokens, steps=steps, t_max=t_max,
-        t_min=t_min, entropy_bound=entropy_bound, confidence_threshold=confidence_threshold,
-        stability_threshold=stability_threshold, threads=threads, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe,
-        num_canvases=num_canvases,
-        adapters=parse_adapters(lora),
-    )
+    with adapter_files(lora) as adapters:
+        debug_generate(
+            model, parse_ids(prompt_ids), seed=seed, rng=rng, max_new_tokens=max_new_tokens, steps=steps, t_max=t_max,
+            t_min=t_min, entropy_bound=entropy_bound, confidence_threshold=confidence_threshold,
+            stability_threshold=stability_threshold, threads=threads, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe,
+            num_canvases=num_canvases, adapters=adapters,
+        )

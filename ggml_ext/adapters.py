@@ -1,18 +1,15 @@
-"""LoRA adapters for `Model.load`: GGUF LoRA files as they are, PEFT adapter folders converted to one first.
+"""LoRA adapters for `Model.load`: GGUF LoRA files (docs/gguf.md#lora-adapters).
 
-An adapter is given as a path or as (path, scale). The path is a GGUF LoRA file (docs/gguf.md#lora-adapters) or a
-PEFT adapter folder (`adapter_config.json` + `adapter_model.safetensors`), which `dgemma_convert.lora` turns into a
-GGUF LoRA file in a temporary folder; the engine copies every adapter's factors at load, so the temporary files are
-removed as soon as the model is loaded. The scale multiplies the adapter's alpha/r (1.0: as trained).
+An adapter is given as a path or as (path, scale); the scale multiplies the adapter's alpha/r (1.0: as trained). A
+PEFT adapter folder (`adapter_config.json` + `adapter_model.safetensors`) is the converter's to turn into a GGUF LoRA
+file first (`dgemma create` converts an ADAPTER folder; `dgemma debug --lora` uses `dgemma_convert.lora.peft_as_gguf`).
 """
 from __future__ import annotations
 
 import math
 import os
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from dgemma_engine.errors import EngineError
 
@@ -50,31 +47,17 @@ def is_peft_folder(path: Path) -> bool:
     return path.is_dir() and (path / "adapter_config.json").is_file()
 
 
-@contextmanager
-def as_gguf(specs: Sequence) -> Iterator[list[tuple[Path, float, str]]]:
-    """(GGUF path, scale, name for errors) per adapter; PEFT folders converted into a temporary folder that lives
-    as long as the context."""
-    with tempfile.TemporaryDirectory(prefix="dgemma-lora-") as tmp:
-        files = []
-        for i, spec in enumerate(specs):
-            path, scale = adapter_spec(spec)
-            if is_peft_folder(path):
-                out = Path(tmp) / f"adapter-{i}.gguf"
-                convert_peft(path, out)
-                files.append((out, scale, path.name))
-            elif path.is_file():
-                files.append((path, scale, path.name))
-            elif path.is_dir():
-                raise EngineError(f"adapter folder {path.name} has no adapter_config.json (not a PEFT adapter)")
-            else:
-                raise EngineError(f"adapter not found: {path}")
-        yield files
-
-
-def convert_peft(folder: Path, out: Path) -> None:
-    """The PEFT adapter folder as a GGUF LoRA file (dgemma_convert.lora)."""
-    try:
-        from dgemma_convert.lora import convert_lora
-    except ImportError:
-        raise EngineError("PEFT adapter folders need dgemma's converter (dgemma_convert.lora)") from None
-    convert_lora(folder, out)
+def gguf_adapters(specs: Sequence) -> list[tuple[Path, float, str]]:
+    """(GGUF path, scale, name for errors) per adapter."""
+    files = []
+    for spec in specs:
+        path, scale = adapter_spec(spec)
+        if is_peft_folder(path):
+            raise EngineError(f"adapter {path.name} is a PEFT adapter folder: convert it to a GGUF LoRA file first "
+                              "(dgemma_convert.lora)")
+        if path.is_dir():
+            raise EngineError(f"adapter folder {path.name} has no adapter_config.json (not a PEFT adapter)")
+        if not path.is_file():
+            raise EngineError(f"adapter not found: {path}")
+        files.append((path, scale, path.name))
+    return files

@@ -533,11 +533,7 @@ def best_canvas(logits: np.ndarray, automaton: TokenAutomaton, state: int, token
         new = np.full(a.n_states, -np.inf)
         new[group_dst] = best
         back[i, group_dst] = first
-        stay = score[end] + row_max[i]
-        if stay > new[end]:
-            new[end] = stay
-            back[i, end] = -1
-        score = new
+        score = _stay_at_end(new, back[i], score, end, row_max[i])
     score, last = _final_state(score, a, tokens_after)
     ids = [0] * positions
     s = last
@@ -558,6 +554,16 @@ def best_canvas(logits: np.ndarray, automaton: TokenAutomaton, state: int, token
             ids[i] = int(sets.token[i, set_id])
         s = source
     return ConstrainedCanvas(ids, last, float(score[last]))
+
+
+def _stay_at_end(new: np.ndarray, back_row: np.ndarray, score: np.ndarray, end: int, row_best: float) -> np.ndarray:
+    """A closed value may be followed by anything: at `end` a position takes its row's best token (back -1) when that
+    beats arriving there by an edge. Returns `new`, the scores after this position."""
+    stay = score[end] + row_best
+    if stay > new[end]:
+        new[end] = stay
+        back_row[end] = -1
+    return new
 
 
 def _final_state(score: np.ndarray, automaton: TokenAutomaton, tokens_after: int | None) -> tuple[np.ndarray, int]:
@@ -605,11 +611,7 @@ def best_canvas_reference(logits: np.ndarray, automaton: TokenAutomaton, state: 
         new = np.full(a.n_states, -np.inf)
         new[a.seg_dst] = best
         back[i, a.seg_dst] = first
-        stay = score[a.end] + row_max[i]
-        if stay > new[a.end]:
-            new[a.end] = stay
-            back[i, a.end] = -1
-        score = new
+        score = _stay_at_end(new, back[i], score, a.end, row_max[i])
     score, last = _final_state(score, a, tokens_after)
     ids = [0] * positions
     s = last

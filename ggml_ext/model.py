@@ -268,8 +268,8 @@ class Model(_Closeable):
         """`name`: what errors call the model (a stored model's name rather than its `sha256-…` blob file).
         `num_gpu`: layers on the accelerators, llama.cpp's -ngl (None or < 0: as many as fit; 0: CPU only);
         `num_cpu_moe`: the first N layers keep their routed experts on the CPU (docs/engine.md#devices). The RPC
-        servers of DGEMMA_RPC are added first. `adapters`: LoRA adapters, each a path or (path, scale): a GGUF
-        LoRA file or a PEFT adapter folder (converted first), applied at run time (docs/gguf.md#lora-adapters)."""
+        servers of DGEMMA_RPC are added first. `adapters`: LoRA adapters, each a GGUF LoRA file's path or (path,
+        scale), applied at run time (docs/gguf.md#lora-adapters)."""
         from dgemma_engine import adapters as adapter_files
         from dgemma_engine import devices
 
@@ -284,8 +284,7 @@ class Model(_Closeable):
             raise EngineError(f"cannot load {name or path.name}: {_error(err)}")
         if adapters:
             try:
-                with adapter_files.as_gguf(adapters) as files:
-                    _load_adapters(handle, files)
+                _load_adapters(handle, adapter_files.gguf_adapters(adapters))
             except BaseException:
                 _engine().dg_model_free(handle)
                 raise

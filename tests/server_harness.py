@@ -157,12 +157,15 @@ class FakeSchemaCompiler:
 
 # ---- models in a tmp store ------------------------------------------------------------------------------------------
 
+SMALL_GGUF_MAX_STEPS = 12  # the small GGUF's default step count, which requests without diffusion_steps get
+
+
 def write_small_gguf(path: Path, arch: str = "diffusion-gemma", chat_template: str | None = None) -> Path:
     """A loadable tiny GGUF (store checks, `/api/show`, `create`): canvas 8, context 4096, 12 steps."""
     from store_helpers import write_tiny_gguf
 
     return write_tiny_gguf(path, arch, canvas_length=8, chat_template=chat_template, context_length=4096,
-                           eb_max_steps=12)
+                           eb_max_steps=SMALL_GGUF_MAX_STEPS)
 
 
 def add_model(store, name: str, gguf: Path, parameters: dict | None = None, system: str | None = None,

@@ -2,7 +2,7 @@
 
 The goldens are tests/fixtures/lora/<adapter>/ (tests/reference/make_lora_fixtures.py): random PEFT adapters on
 tiny-a with different encoder and decoder deltas; `r4-all` adapts attention, dense MLP, router and experts, `r8-attn-mlp`
-attention and dense MLP, `r4-self-cond` the self-conditioning MLP (and one q projection). Each is loaded from its PEFT folder (converted by dgemma_convert.lora on the way) and from the
+attention and dense MLP, `r4-self-cond` the self-conditioning MLP (and one q projection). Each is loaded from its PEFT folder (converted by dgemma_convert.lora.peft_as_gguf first) and from the
 GGUF LoRA file the converter writes; at F32 the first and the self-conditioned step match PEFT within 1e-4 and the
 `--rng torch` generation token for token. At Q8_0 the base is quantized and the adapter applied at run time: the KL
 against the F32 result is printed (pytest -s) and bounded like tests/test_engine_quant.py's Q8_0 bound.
@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import gguf_mutator as gm
+from dgemma_convert.lora import peft_as_gguf
 from dgemma_engine.debug_generate import debug_generate
 from dgemma_engine.errors import EngineError
 from dgemma_engine.model import Context, Model
@@ -69,7 +70,8 @@ def two_steps(model: Model, g: dict[str, np.ndarray]) -> np.ndarray:
 def test_first_and_self_conditioned_steps_match_peft(gguf_path, lora_gguf, name, source):
     g = golden(name)
     adapter = LORA / name if source == "peft" else lora_gguf[name]
-    with Model.load(gguf_path("tiny-a", "f32"), threads=THREADS, adapters=[adapter]) as m:
+    with peft_as_gguf([adapter]) as adapters, \
+            Model.load(gguf_path("tiny-a", "f32"), threads=THREADS, adapters=adapters) as m:
         assert m.n_adapters == 1
         got = two_steps(m, g)
     err = np.abs(got - g["raw"]).max(axis=(1, 2))
@@ -302,6 +304,8 @@ def test_adapter_paths_and_scales_are_checked(gguf_path, tmp_path, lora_gguf):
         Model.load(base, adapters=[tmp_path])
     with pytest.raises(EngineError, match="scale must be finite"):
         Model.load(base, adapters=[(lora_gguf["r4-all"], float("nan"))])
+    with pytest.raises(EngineError, match=r"^adapter r4-all is a PEFT adapter folder: convert it to a GGUF LoRA"):
+        Model.load(base, adapters=[LORA / "r4-all"])  # the engine reads GGUF; the converter converts
     Model.check_adapter(base, lora_gguf["r4-all"])  # a good one passes
 
 

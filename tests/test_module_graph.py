@@ -26,9 +26,6 @@ SERVER_PACKAGE = "dgemma_cli.server"
 # The packages bottom up: the engine, the converter (which uses the engine's names, settings and errors), the CLI. A
 # package imports only from the ones before it.
 PACKAGE_ORDER = ("dgemma_engine", "dgemma_convert", "dgemma_cli")
-# The one import against that order (docs/architecture.md): `Model.load` converts a PEFT adapter folder with the
-# converter, imported only when such a folder is loaded.
-UPWARD_IMPORTS = {("dgemma_engine.adapters", "dgemma_convert.lora")}
 
 # dgemma_cli's layers, top to bottom (docs/architecture.md): a module imports from its own layer or the ones below.
 LAYERS = (
@@ -253,32 +250,25 @@ def package_edges(modules: dict[str, Module]) -> dict[tuple[str, str], list[str]
     return edges
 
 
-def package_cycles(edges, allowed: set[tuple[str, str]] = frozenset()) -> list[list[str]]:
-    """The import cycles between packages, module imports in `allowed` left out."""
+def package_cycles(edges) -> list[list[str]]:
+    """The import cycles between packages."""
     packages: dict[str, Module] = {}
-    for (here, there), imports in edges.items():
-        if any(tuple(i.split(" -> ")) not in allowed for i in imports):
-            packages.setdefault(here, Module(here, Path(here), True)).imports.add(there)
-            packages.setdefault(there, Module(there, Path(there), True))
+    for here, there in edges:
+        packages.setdefault(here, Module(here, Path(here), True)).imports.add(there)
+        packages.setdefault(there, Module(there, Path(there), True))
     return find_cycles(packages)
 
 
 def test_no_import_cycles_between_packages(graph):
-    cycles = package_cycles(package_edges(graph), UPWARD_IMPORTS)
+    cycles = package_cycles(package_edges(graph))
     assert not cycles, "import cycles between packages:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
 def test_packages_import_only_the_ones_below(graph):
     upward = [i for (here, there), imports in package_edges(graph).items()
               if PACKAGE_ORDER.index(there) > PACKAGE_ORDER.index(here)
-              for i in imports if tuple(i.split(" -> ")) not in UPWARD_IMPORTS]
+              for i in imports]
     assert not upward, "imports from a package above (engine < convert < cli):\n" + "\n".join(upward)
-
-
-def test_the_upward_import_is_still_there(graph):
-    """UPWARD_IMPORTS lists only imports that exist: one that goes leaves the table."""
-    for importer, target in UPWARD_IMPORTS:
-        assert target in graph[importer].imports, f"{importer} no longer imports {target}: drop it from UPWARD_IMPORTS"
 
 
 def test_no_private_names_of_other_modules(graph):
@@ -348,4 +338,3 @@ def test_the_checks_see_what_they_look_for(tmp_path):
     modules["q._inner"].path.write_text("import p.a\n")
     analyse(modules["q._inner"], modules)
     assert package_cycles(package_edges(modules)) == [["p", "q"]]
-    assert package_cycles(package_edges(modules), {("q._inner", "p.a")}) == []

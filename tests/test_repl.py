@@ -12,7 +12,7 @@ import pytest
 
 from registry_server import FakeRegistry
 from run_helpers import FakeBehaviour, FakeSetup, InProcessServer, fake_factory, make_store
-from server_harness import REPO
+from server_harness import REPO, SMALL_GGUF_MAX_STEPS
 
 ANSWER = "The quick brown fox jumps over the lazy dog."
 PROMPT = ">>> "
@@ -248,7 +248,7 @@ def test_visual_mode_in_the_repl(setup):
         canvases = -(-(len(ANSWER) + 1) // b.canvas_length)
         for canvas in range(1, canvases + 1):
             for step in range(1, b.steps + 1):
-                assert f"canvas {canvas} · step {step}/48" in out
+                assert f"canvas {canvas} · step {step}/{SMALL_GGUF_MAX_STEPS}" in out  # the model's own default
         assert out.rstrip().endswith(ANSWER)  # the live region gives way to the committed text
         child.sendline("/set novisual")
         child.expect_exact("Set 'novisual' mode.")

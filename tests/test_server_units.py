@@ -10,7 +10,7 @@ from dgemma_cli.gotext import FOREVER, go_duration, parse_go_duration, parse_kee
 from dgemma_cli.hosts import parse_host
 from dgemma_cli.server.config import ServerConfig
 from dgemma_cli.server.errors import RequestError
-from dgemma_cli.server.inference import Final, StopScanner, Text, ThinkingSplitter, plan_generation, run_generation
+from dgemma_cli.server.answers import Final, StopScanner, Text, ThinkingSplitter, plan_generation, run_generation
 from dgemma_cli.server.options import GREEDY_SEED, check_options, resolve_sampler
 from dgemma_cli.server.streaming import scrub_paths, timestamp
 from server_harness import FakeBehaviour, FakeRunner

@@ -168,7 +168,7 @@ def test_a_server_that_drops_the_connection_is_a_one_line_error(tmp_path):
 def test_parameter_rows_read_the_servers_text():
     """Rows from `/api/show` `parameters` as the server writes them, including a key that fills all 30 columns."""
     from dgemma_cli.cmd_store import parameter_rows
-    from dgemma_cli.server.services import format_parameters
+    from dgemma_cli.server.model_info import format_parameters
 
     text = format_parameters({"diffusion_confidence_threshold": 0.01, "stop": ["a b", "<end>"], "seed": 7})
     assert parameter_rows(text) == [("diffusion_confidence_threshold", "0.01"), ("seed", "7"), ("stop", '"a b"'),

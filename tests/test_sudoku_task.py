@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dgemma_cli.server import inference
+from dgemma_cli.server import answers
 from dgemma_cli.server.options import resolve_sampler
 from dgemma_cli.server.tasks import TaskRequest, TryPool, first_solution, run_task
 from dgemma_cli.wire import Progress
@@ -73,10 +73,10 @@ def solve(runner, options, workers=1, prompt=PUZZLE):
     sampler = resolve_sampler({"num_predict": 81, **options}, runner.metadata, 256)
     prompt_ids = [2] + [runner.task.cell_token[cell, int(d)] for cell, d in enumerate(prompt)]
     request = TaskRequest.read(runner, prompt_ids)
-    plan = inference.plan_generation(runner, prompt_ids, sampler, 16)
+    plan = answers.plan_generation(runner, prompt_ids, sampler, 16)
     items = list(run_task(runner, plan, sampler, threading.Event(), request, workers, time.perf_counter()))
-    text = "".join(i.text for i in items if isinstance(i, inference.Text))
-    finals = [i for i in items if isinstance(i, inference.Final)]
+    text = "".join(i.text for i in items if isinstance(i, answers.Text))
+    finals = [i for i in items if isinstance(i, answers.Final)]
     assert len(finals) == 1
     return text, finals[0], [i for i in items if isinstance(i, Progress)]
 
@@ -144,7 +144,7 @@ def test_a_client_that_leaves_stops_the_tries_and_gets_no_answer():
     prompt_ids = runner.task.prompt([2], PUZZLE)
     cancel = threading.Event()
     threading.Timer(0.12, cancel.set).start()
-    items = list(run_task(runner, inference.plan_generation(runner, prompt_ids, sampler, 16), sampler, cancel,
+    items = list(run_task(runner, answers.plan_generation(runner, prompt_ids, sampler, 16), sampler, cancel,
                           TaskRequest.read(runner, prompt_ids), 2, time.perf_counter()))
     assert items == [] and 2 <= len(runner.prompts) <= 8
 

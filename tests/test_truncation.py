@@ -5,7 +5,7 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dgemma_cli.server.inference import chat_prompt
+from dgemma_cli.server.prompts import ChatPrompt
 from dgemma_cli.server.truncation import fit_chat
 from server_harness import FakeBehaviour, FakeRunner
 
@@ -103,7 +103,7 @@ def test_chat_prompt_through_a_runner_keeps_system_and_latest():
     messages = ([{"role": "system", "content": "Be brief."}] + [{"role": "user", "content": f"turn {i}"} for i in range(300)]
                 + [{"role": "user", "content": "the latest"}])
     started = time.perf_counter()
-    text = runner.detokenize(chat_prompt(runner, messages, None, True))
+    text = runner.detokenize(ChatPrompt(messages).ids(runner, None, None))
     assert time.perf_counter() - started < 1.0
     assert text.startswith("<system>Be brief.<user>turn") and text.endswith("<user>the latest<assistant>")
     assert len(text) <= 256 - 8 and "turn 0<" not in text

@@ -16,6 +16,8 @@
 
 #include <ggml.h>
 
+#include "ggml_blocks.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define DGQ_X86 1
 #include <immintrin.h>
@@ -25,30 +27,9 @@
 
 enum { QK_K = 256, SUB = 32, N_SUB = QK_K / SUB };
 
-// block_q4_K / block_q5_K of ggml-common.h: d, dmin (FP16), 12 bytes of 6-bit scales and mins, then the quants.
-typedef struct {
-    uint16_t d, dmin;
-    uint8_t scales[12];
-    uint8_t qs[QK_K / 2];
-} block_q4_k;
-
-typedef struct {
-    uint16_t d, dmin;
-    uint8_t scales[12];
-    uint8_t qh[QK_K / 8];
-    uint8_t qs[QK_K / 2];
-} block_q5_k;
-
-typedef struct {
-    uint8_t ql[QK_K / 2];
-    uint8_t qh[QK_K / 4];
-    int8_t scales[QK_K / 16];
-    uint16_t d;
-} block_q6_k;
-
-_Static_assert(sizeof(block_q6_k) == 210, "block_q6_K layout");
-_Static_assert(sizeof(block_q4_k) == 144, "block_q4_K layout");
-_Static_assert(sizeof(block_q5_k) == 176, "block_q5_K layout");
+typedef dg_block_q4_K block_q4_k;
+typedef dg_block_q5_K block_q5_k;
+typedef dg_block_q6_K block_q6_k;
 
 #ifdef DGQ_X86  // everything below up to the exported functions: x86-64 only
 

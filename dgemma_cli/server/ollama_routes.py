@@ -18,10 +18,10 @@ from dgemma_cli import wire
 from dgemma_cli.bundled import bundled_modelfile, mark_deleted, pull_bundled
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gotext import parse_keep_alive
-from dgemma_cli.server import create_upload, inference, model_info, truncation
+from dgemma_cli.server import create_upload, model_info
 from dgemma_cli.server.errors import NotFound, RequestError
-from dgemma_cli.server.inference import Final, Progress, Text
-from dgemma_cli.server.jobs import Job, admitted, common_checks, render_messages, with_model_messages
+from dgemma_cli.server.answers import Final, Progress, Text
+from dgemma_cli.server.generation import GenerationRequest, admitted, common_checks, load_or_unload, start
 from dgemma_cli.server.options import check_options, request_options
 from dgemma_cli.server.routing import CheckedRoute
 from dgemma_cli.server.services import ResolvedModel, Services, services
@@ -37,8 +37,9 @@ from dgemma_cli.server.streaming import (
     timestamp_of,
     until_disconnected,
 )
-from dgemma_cli.server.structured import ollama_format
-from dgemma_cli.server.validation import chat_role, check_chat_size, check_name_text, check_prompt_size
+from dgemma_cli.server.output_format import ollama_format
+from dgemma_cli.server.prompts import GeneratePrompt, chat_prompt
+from dgemma_cli.server.validation import chat_role, check_name_text
 
 log = logging.getLogger("dgemma.server")
 router = APIRouter(route_class=CheckedRoute)
@@ -83,21 +84,6 @@ async def version(request: Request) -> JSONResponse:
 
 # ---- inference ----------------------------------------------------------------------------------------------------
 
-async def _load_or_unload(svc: Services, model: ResolvedModel, keep_alive: float | None, job: Job, chat: bool, request: Request) -> dict:
-    """Empty prompt / messages: load only, or unload with `keep_alive: 0`
-    (docs/compat.md#load-unload-and-keep_alive)."""
-    if keep_alive == 0:
-        await svc.scheduler.unload(model.display)
-        reason = "unload"
-    else:
-        lease = await until_disconnected(
-            request, svc.scheduler.acquire(model.display, job.local, job.num_ctx, keep_alive)
-        )
-        lease.release()
-        reason = "load"
-    return _answer_line(model, chat, "", "", True, done_reason=reason)
-
-
 def _answer_line(model: ResolvedModel, chat: bool, text: str, thinking: str, done: bool,
                  tool_calls: list | None = None, **fields: Any) -> dict[str, Any]:
     """One /api/generate or /api/chat object: the text in `response` (generate) or in `message` (chat), `thinking`
@@ -128,8 +114,7 @@ def _ndjson(stream: WorkerStream, render, source=None) -> GuardedStreamingRespon
 
 @router.post("/api/generate", response_model=wire.GenerateResponse, responses=INFERENCE_ERRORS)
 @admitted
-async def generate(req: wire.GenerateRequest, request: Request):
-    svc = services(request)
+async def generate(req: wire.GenerateRequest, request: Request, svc: Services):
     model = await svc.resolve_runnable(_model_text(req.model, req.name))
     if req.raw and (req.template or req.system or req.context):
         raise RequestError("raw mode does not support template, system, or context")
@@ -143,30 +128,13 @@ async def generate(req: wire.GenerateRequest, request: Request):
     options = await request_options(svc.config, model.local, {**(req.options or {}), **steps})
     keep_alive = _keep_alive(req.keep_alive)
     if not req.prompt:
-        job = Job(svc, model, options, keep_alive)
-        return JSONResponse(await _load_or_unload(svc, model, keep_alive, job, chat=False, request=request))
-
-    job = Job(svc, model, options, keep_alive, output_format)  # options checked once, num_ctx decided once
-    system = req.system if req.system is not None else model.local.system
-    check_prompt_size(job.num_ctx, [req.prompt, system])
-    context = list(req.context or [])
-
-    override = _request_template(req.template) if req.template and not req.raw else None
-
-    def build_prompt(runner, thinking, _tools):
-        if req.raw:
-            text = req.prompt
-        else:
-            messages = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": req.prompt}
-            ]
-            text = render_messages(runner, messages, thinking, override)
-        ids = context + runner.tokenize(text)
-        if req.truncate is not False:  # as Ollama: keep the prompt's end unless told not to (then a 400)
-            return truncation.fit_tokens(ids, runner.context_length - runner.canvas_length)
-        return ids
-
-    stream = await job.start(request, build_prompt, req.think)
+        reason = await load_or_unload(request, svc, model, options, keep_alive)
+        return JSONResponse(_answer_line(model, False, "", "", True, done_reason=reason))
+    prompt = GeneratePrompt(req.prompt, req.system if req.system is not None else model.local.system, bool(req.raw),
+                            tuple(req.context or ()), req.truncate is not False,  # as Ollama: keep the prompt's end
+                            _request_template(req.template) if req.template and not req.raw else None)
+    gen = GenerationRequest(model, options, prompt, keep_alive, output_format, req.think)
+    stream = await start(request, svc, gen)
     return await _answer(request, stream, model, req.stream, chat=False, with_context=not req.raw)
 
 
@@ -184,8 +152,7 @@ def _request_template(text: str) -> ChatTemplate:
 
 @router.post("/api/chat", response_model=wire.ChatResponse, responses=INFERENCE_ERRORS)
 @admitted
-async def chat(req: wire.ChatRequest, request: Request):
-    svc = services(request)
+async def chat(req: wire.ChatRequest, request: Request, svc: Services):
     model = await svc.resolve_runnable(_model_text(req.model, req.name))
     messages = [m.model_dump(exclude_none=True) for m in (req.messages or [])]
     for message in messages:
@@ -201,18 +168,11 @@ async def chat(req: wire.ChatRequest, request: Request):
     options = await request_options(svc.config, model.local, req.options)
     keep_alive = _keep_alive(req.keep_alive)
     if not messages:
-        job = Job(svc, model, options, keep_alive)
-        return JSONResponse(await _load_or_unload(svc, model, keep_alive, job, chat=True, request=request))
-
-    job = Job(svc, model, options, keep_alive, output_format)  # options checked once, num_ctx decided once
-    conversation = with_model_messages(model, messages)
-    truncate = True if req.truncate is None else req.truncate
-    check_chat_size(job.num_ctx, conversation, truncate)
-
-    def build_prompt(runner, thinking, tools):
-        return inference.chat_prompt(runner, conversation, thinking, truncate, tools)
-
-    stream = await job.start(request, build_prompt, req.think, req.tools)
+        reason = await load_or_unload(request, svc, model, options, keep_alive)
+        return JSONResponse(_answer_line(model, True, "", "", True, done_reason=reason))
+    prompt = chat_prompt(model.local, messages, truncate=req.truncate is not False)
+    gen = GenerationRequest(model, options, prompt, keep_alive, output_format, req.think, req.tools)
+    stream = await start(request, svc, gen)
     return await _answer(request, stream, model, req.stream, chat=True, with_context=False)
 
 

@@ -14,13 +14,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from dgemma_cli import wire
-from dgemma_cli.server import inference
 from dgemma_cli.server.errors import NotFound, RequestError
-from dgemma_cli.server.inference import Final, Text
-from dgemma_cli.server.jobs import Job, admitted, common_checks, render_messages, with_model_messages
+from dgemma_cli.server.answers import Final, Text
+from dgemma_cli.server.generation import GenerationRequest, admitted, common_checks, start
 from dgemma_cli.server.options import request_options
+from dgemma_cli.server.prompts import ChatPrompt, chat_prompt
 from dgemma_cli.server.routing import CheckedRoute
-from dgemma_cli.server.services import services
+from dgemma_cli.server.services import Services, services
 from dgemma_cli.server.streaming import (
     SSE,
     GuardedStreamingResponse,
@@ -30,8 +30,8 @@ from dgemma_cli.server.streaming import (
     guarded_stream,
     sse_event,
 )
-from dgemma_cli.server.structured import OutputFormat, openai_format
-from dgemma_cli.server.validation import chat_role, check_chat_size, single_prompt
+from dgemma_cli.server.output_format import OutputFormat, openai_format
+from dgemma_cli.server.validation import chat_role, single_prompt
 
 router = APIRouter(prefix="/v1", route_class=CheckedRoute)
 ERRORS = {
@@ -135,12 +135,13 @@ def _message_text(model, message: wire.OpenAIMessage) -> str:
     return "".join(parts)
 
 
-async def _job(svc, model, req: Any, max_tokens: int | None, output_format: OutputFormat | None = None) -> Job:
-    """The request's options decoded once, into the job that will run it."""
+async def _start(request: Request, svc: Services, model, req: Any, prompt: ChatPrompt, max_tokens: int | None, think: Any = None,
+                 output_format: OutputFormat | None = None, tools: list[dict] | None = None) -> WorkerStream:
+    """The request's options decoded once, then its generation started."""
     if req.n is not None and req.n > 1:
         raise RequestError("n greater than 1 is not supported")
     options = await request_options(svc.config, model.local, _options(req, max_tokens))
-    return Job(svc, model, options, None, output_format)
+    return await start(request, svc, GenerationRequest(model, options, prompt, None, output_format, think, tools))
 
 
 def _sse(stream: WorkerStream, events) -> GuardedStreamingResponse:
@@ -160,25 +161,19 @@ def _sse(stream: WorkerStream, events) -> GuardedStreamingResponse:
 
 @router.post("/chat/completions", response_model=wire.ChatCompletion, responses=ERRORS)
 @admitted
-async def chat_completions(req: wire.ChatCompletionRequest, request: Request):
+async def chat_completions(req: wire.ChatCompletionRequest, request: Request, svc: Services):
     if not req.messages:
         raise RequestError("messages must not be empty")
-    svc = services(request)
     model = await svc.resolve_runnable(req.model)
     output_format = None
     if req.response_format is not None:
         schema = (req.response_format.json_schema or {}).get("schema")
         output_format = openai_format(req.response_format.type, schema)
     common_checks(model, req.logprobs, req.top_logprobs)
-    messages = with_model_messages(model, _chat_messages(model, req.messages))
-    job = await _job(svc, model, req, req.max_completion_tokens or req.max_tokens, output_format)
-    check_chat_size(job.num_ctx, messages, truncate=req.truncate is not False)
+    prompt = chat_prompt(model.local, _chat_messages(model, req.messages), truncate=req.truncate is not False)
     think = req.reasoning_effort if req.reasoning_effort not in (None, "none") else None
-
-    def build_prompt(runner, thinking, tools):
-        return inference.chat_prompt(runner, messages, thinking, req.truncate is not False, tools)
-
-    stream = await job.start(request, build_prompt, think, req.tools)
+    stream = await _start(request, svc, model, req, prompt, req.max_completion_tokens or req.max_tokens, think,
+                          output_format, req.tools)
     head = _head("chatcmpl-", model)
 
     if req.stream:
@@ -221,8 +216,7 @@ async def chat_completions(req: wire.ChatCompletionRequest, request: Request):
 
 @router.post("/completions", response_model=wire.Completion, responses=ERRORS)
 @admitted
-async def completions(req: wire.CompletionRequest, request: Request):
-    svc = services(request)
+async def completions(req: wire.CompletionRequest, request: Request, svc: Services):
     model = await svc.resolve_runnable(req.model)
     if req.suffix:
         raise RequestError(f"{model.full} does not support insert")
@@ -230,14 +224,8 @@ async def completions(req: wire.CompletionRequest, request: Request):
         raise RequestError(f"{model.quoted} does not support logprobs")
     prompt = single_prompt(req.prompt)
 
-    messages = with_model_messages(model, [{"role": "user", "content": prompt}])
-    job = await _job(svc, model, req, req.max_tokens)
-    check_chat_size(job.num_ctx, messages, truncate=False)
-
-    def build_prompt(runner, thinking, _tools):
-        return runner.tokenize(render_messages(runner, messages, thinking))
-
-    stream = await job.start(request, build_prompt, None)
+    stream = await _start(request, svc, model, req, chat_prompt(model.local, [{"role": "user", "content": prompt}],
+                                                                truncate=False), req.max_tokens)
     head = _head("cmpl-", model)
 
     def completion(text: str | None, finish: str | None, usage: wire.Usage | None = None) -> wire.Completion:

@@ -55,26 +55,29 @@ def option_type(name: str) -> str | None:
 
 def _typed(name: str, value: Any, kind: str) -> Any:
     """`value` converted to the option's type, or the 400 of docs/compat.md#options-typing."""
-    bad = RequestError(f'option "{name}" must be of type {kind}')
+    if not _has_type(value, kind):
+        raise RequestError(f'option "{name}" must be of type {kind}')
     if kind == _BOOL:
-        if isinstance(value, bool):
-            return value
-        raise bad
+        return value
     if kind == _ARRAY:
-        if isinstance(value, list) and all(isinstance(item, str) for item in value):
-            return list(value)
-        raise bad
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise bad
-    if isinstance(value, float) and not math.isfinite(value):
-        raise bad
+        return list(value)
     if kind == _INT:
-        if isinstance(value, float) and not value.is_integer():
-            raise bad
         value = int(value)
     if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:  # also from Modelfile PARAMETERs
         raise out_of_range(name)
     return value if kind == _INT else check_float32(name, float(value))
+
+
+def _has_type(value: Any, kind: str) -> bool:
+    if kind == _BOOL:
+        return isinstance(value, bool)
+    if kind == _ARRAY:
+        return isinstance(value, list) and all(isinstance(item, str) for item in value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return kind != _INT or not isinstance(value, float) or value.is_integer()
 
 
 def check_options(options: dict[str, Any] | None) -> dict[str, Any]:

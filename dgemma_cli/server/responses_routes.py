@@ -13,15 +13,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from dgemma_cli import wire
-from dgemma_cli.server import inference
 from dgemma_cli.server.errors import RequestError
-from dgemma_cli.server.inference import Final, Text
-from dgemma_cli.server.jobs import Job, admitted, with_model_messages
-from dgemma_cli.server.services import services
+from dgemma_cli.server.answers import Final, Text
+from dgemma_cli.server.generation import GenerationRequest, admitted, start
+from dgemma_cli.server.services import Services
 from dgemma_cli.server.streaming import SSE, GuardedStreamingResponse, WorkerStream, collect, error_message, guarded_stream
 from dgemma_cli.server.options import request_options
+from dgemma_cli.server.prompts import chat_prompt
 from dgemma_cli.server.routing import CheckedRoute
-from dgemma_cli.server.structured import openai_format
+from dgemma_cli.server.output_format import openai_format
 from dgemma_cli.server.validation import chat_role
 from dgemma_engine.chat.tool_calls import ToolCall
 
@@ -341,8 +341,7 @@ def _stream(stream: WorkerStream, built: ResponseBuilder) -> GuardedStreamingRes
 
 @router.post("/responses", response_model=wire.ResponseObject, responses=ERRORS)
 @admitted
-async def create_response(req: wire.ResponsesRequest, request: Request):
-    svc = services(request)
+async def create_response(req: wire.ResponsesRequest, request: Request, svc: Services):
     model = await svc.resolve_runnable(req.model)
     tools = _function_tools(req)
     output_format = None
@@ -351,15 +350,11 @@ async def create_response(req: wire.ResponsesRequest, request: Request):
     messages = _input_messages(model, req)
     if not messages:
         raise RequestError("input must not be empty")
-    messages = with_model_messages(model, messages)
     effort = (req.reasoning or {}).get("effort")
     think = effort if effort not in (None, "none") else None
-
-    def build_prompt(runner, thinking, template_tools):
-        return inference.chat_prompt(runner, messages, thinking, True, template_tools)
-
-    job = Job(svc, model, await request_options(svc.config, model.local, _options(req)), None, output_format)
-    stream = await job.start(request, build_prompt, think, tools)
+    options = await request_options(svc.config, model.local, _options(req))
+    gen = GenerationRequest(model, options, chat_prompt(model.local, messages), None, output_format, think, tools)
+    stream = await start(request, svc, gen)
     built = ResponseBuilder(model.display, req)
     if req.stream:
         return _stream(stream, built)

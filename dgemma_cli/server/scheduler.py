@@ -86,15 +86,12 @@ class Lease:
     """A held generation slot on a resident model. `release()` is idempotent and must run on the event loop."""
 
     def __init__(self, scheduler: "Scheduler", resident: Resident, load_seconds: float):
+        assert resident.runner is not None
         self.scheduler = scheduler
         self.resident = resident
+        self.runner: Runner = resident.runner
         self.load_seconds = load_seconds
         self.released = False
-
-    @property
-    def runner(self) -> Runner:
-        assert self.resident.runner is not None
-        return self.resident.runner
 
     def release(self, failed: bool = False) -> None:
         if self.released:
@@ -152,8 +149,11 @@ class Scheduler:
             _ticket.reset(token)
             ticket.release()
 
-    async def acquire(self, name: str, model: Any, num_ctx: int, keep_alive: float | None) -> Lease:
-        """Wait (FIFO) for `model` to be resident with `num_ctx` and for one of its slots. 503 when the queue is full."""
+    async def acquire(self, name: str, model: Any, num_ctx: int, keep_alive: float | None,
+                      placement: dict[str, int] | None = None) -> Lease:
+        """Wait (FIFO) for `model` to be resident with `num_ctx` and `placement` (a request's num_gpu, num_cpu_moe) and
+        for one of its slots. 503 when the queue is full."""
+        model = placed_model(model, placement or {})
         ticket = _ticket.get()
         if ticket is None or ticket.released:
             if self.pending >= self.config.max_queue:

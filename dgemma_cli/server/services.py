@@ -24,21 +24,16 @@ log = logging.getLogger("dgemma.server")
 class ResolvedModel:
     name: ModelName
     local: Any  # the store's LocalModel
+    requested: str = ""  # the name as the request wrote it
 
-    @property
-    def display(self) -> str:
-        return self.local.name
-
-    @property
-    def full(self) -> str:
-        return self.name.full
+    def __post_init__(self):
+        self.display = self.local.name  # the stored model's name, as `ps` and answers show it
+        self.full = self.name.full
 
     @property
     def quoted(self) -> str:
         """The name as sent, Go-quoted, for capability errors (`"m" does not support thinking`)."""
         return '"' + self.requested.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-    requested: str = ""
 
 
 class Services:

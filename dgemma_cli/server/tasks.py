@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
-from dgemma_cli.server import inference
-from dgemma_cli.server.inference import Final, Plan, Text
+from dgemma_cli.server import answers
+from dgemma_cli.server.answers import Final, Plan, Text
 from dgemma_cli.server.options import SamplerSettings
 from dgemma_cli.server.runner import Runner
 from dgemma_cli.wire import Metrics, Progress
@@ -199,7 +199,7 @@ def run_task(runner: Runner, plan: Plan, sampler: SamplerSettings, cancel: threa
                            token_limit=None, constraint=None)  # the answer is one canvas
         try_sampler = replace(sampler, seed=None if sampler.seed is None else sampler.seed + a.index, stop=())
         text, final = "", None
-        for item in inference.run_generation(runner, try_plan, try_sampler, a.cancel):
+        for item in answers.run_generation(runner, try_plan, try_sampler, a.cancel):
             if isinstance(item, Progress):
                 if a.leading():
                     events.put(_progress_as_asked(item, symmetry, a.index))

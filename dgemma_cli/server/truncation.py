@@ -10,6 +10,7 @@ estimate (each about the size of the context window).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,8 +45,9 @@ def message_text(message: dict[str, Any]) -> str:
 def fit_chat(messages: list[dict], render_ids: RenderIds, count_tokens: Callable[[str], int], budget: int,
              truncate: bool, no_room: Callable[[int], Exception]) -> FittedPrompt:
     """Prompt ids of at most `budget` tokens (`no_room(tokens)` is raised when that is impossible or not wanted)."""
-    chat = _Chat(messages, render_ids, budget, [count_tokens(message_text(m)) for m in messages])
-    if not truncate or budget < 1 or sum(chat.weights) <= WHOLE_RENDER_FACTOR * budget:
+    chat = _Chat(messages, render_ids, budget, count_tokens)
+    if not truncate or budget < 1 or chat.at_most_tokens() <= WHOLE_RENDER_FACTOR * budget \
+            or sum(chat.weights) <= WHOLE_RENDER_FACTOR * budget:
         ids = chat.ids(0)
         if len(ids) <= budget:
             return FittedPrompt(ids)
@@ -74,13 +76,23 @@ class _Chat:
     """The chat with its `drop` oldest droppable messages (neither system nor the latest) left out, rendered on
     demand, and each message's own token count (`weights`) for estimates."""
 
-    def __init__(self, messages: list[dict], render_ids: RenderIds, budget: int, weights: list[int]):
+    def __init__(self, messages: list[dict], render_ids: RenderIds, budget: int, count_tokens: Callable[[str], int]):
         self.messages = messages
         self.render_ids = render_ids
         self.budget = budget
-        self.weights = weights
+        self.count_tokens = count_tokens
         self.droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
         self._rendered: dict[int, list[int]] = {}
+
+    @functools.cached_property
+    def weights(self) -> list[int]:
+        """Each message's own tokens (counted only when the chat may not fit: most chats fit by `at_most_tokens`)."""
+        return [self.count_tokens(message_text(m)) for m in self.messages]
+
+    def at_most_tokens(self) -> int:
+        """A bound on the messages' own tokens without tokenizing: a token covers at least one UTF-8 byte, and a
+        tokenizer may add a BOS and an EOS of its own."""
+        return sum(len(message_text(m).encode("utf-8", "surrogatepass")) + 2 for m in self.messages)
 
     def kept(self, drop: int) -> list[dict]:
         gone = set(self.droppable[:drop])

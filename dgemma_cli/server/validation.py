@@ -7,7 +7,7 @@ same rules hold for every field of every endpoint:
 - strings (values and keys): valid Unicode, i.e. no lone surrogate (`"\\udfff"` is legal JSON but no UTF-8 text)
   → `invalid Unicode in messages.0.content: lone surrogate U+DFFF`;
 - nesting: at most `MAX_DEPTH` levels.
-The other rules here are per field: float32 options, durations, the prompt size, message roles, the OpenAI `prompt`
+The other rules here are per field: float32 options, durations, message roles, the OpenAI `prompt`
 list, model names. Pure Python (no web framework): the CLI's duration parsing uses it too.
 """
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable
 from typing import Any
 
 from dgemma_cli.errors import out_of_range
@@ -24,8 +23,6 @@ from dgemma_cli.server.errors import RequestError
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_DEPTH = 100  # JSON levels; tool and format schemas nest a few dozen at most
-# A generous bound on the characters one token covers: longer text cannot fit num_ctx tokens (docs/server.md).
-PROMPT_CHARS_PER_TOKEN = 64
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 # Values in these top-level objects are named like every other option error does: by the option alone
@@ -132,23 +129,6 @@ def check_float32(field: str, value: float) -> float:
     if abs(value) > FLOAT32_MAX:
         raise out_of_range(field)
     return value
-
-
-def check_prompt_size(num_ctx: int, texts: Iterable[str | None]) -> None:
-    """Text that cannot fit the context window whatever it tokenizes to is refused before any rendering."""
-    size = sum(len(text) for text in texts if text)
-    limit = PROMPT_CHARS_PER_TOKEN * num_ctx
-    if size > limit:
-        raise RequestError(f"prompt too long: {size} characters cannot fit a context window of {num_ctx} tokens "
-                           f"(at most {limit} characters)")
-
-
-def check_chat_size(num_ctx: int, messages: list[dict], truncate: bool) -> None:
-    """`check_prompt_size` for a conversation. With truncation the oldest messages may be dropped, so only what
-    must stay counts: the system messages and the last message."""
-    last = len(messages) - 1
-    kept = [m for i, m in enumerate(messages) if not truncate or i == last or m.get("role") == "system"]
-    check_prompt_size(num_ctx, [text for m in kept for text in (m.get("content"), m.get("thinking"))])
 
 
 def chat_role(role: str) -> str:

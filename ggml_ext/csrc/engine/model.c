@@ -58,17 +58,22 @@ static int64_t int_at(enum gguf_type t, const void *p) {
     }
 }
 
+// The key's id, -1 when it is absent and optional; false (with the error set) when a required key is absent.
+static bool find_kv(loader *ld, const char *key, bool required, int64_t *id) {
+    *id = gguf_find_key(ld->m->gguf, key);
+    if (*id < 0 && required) {
+        dg_set_err(ld->err, ld->err_len, "GGUF is missing the required key '%s'", key);
+        return false;
+    }
+    return true;
+}
+
 // Integer key in [lo, hi]. Missing + !required -> def.
 static bool kv_int(loader *ld, const char *key, bool required, int64_t def, int64_t lo, int64_t hi, int32_t *out) {
     const struct gguf_context *g = ld->m->gguf;
-    int64_t id = gguf_find_key(g, key);
-    int64_t v = def;
-    if (id < 0) {
-        if (required) {
-            dg_set_err(ld->err, ld->err_len, "GGUF is missing the required key '%s'", key);
-            return false;
-        }
-    } else {
+    int64_t id, v = def;
+    if (!find_kv(ld, key, required, &id)) return false;
+    if (id >= 0) {
         enum gguf_type t = gguf_get_kv_type(g, id);
         if (!is_int_type(t)) {
             dg_set_err(ld->err, ld->err_len, "GGUF key '%s' has type %s, expected an integer", key, gguf_type_name(t));
@@ -87,14 +92,10 @@ static bool kv_int(loader *ld, const char *key, bool required, int64_t def, int6
 
 static bool kv_float(loader *ld, const char *key, bool required, double def, double lo, double hi, float *out) {
     const struct gguf_context *g = ld->m->gguf;
-    int64_t id = gguf_find_key(g, key);
+    int64_t id;
     double v = def;
-    if (id < 0) {
-        if (required) {
-            dg_set_err(ld->err, ld->err_len, "GGUF is missing the required key '%s'", key);
-            return false;
-        }
-    } else {
+    if (!find_kv(ld, key, required, &id)) return false;
+    if (id >= 0) {
         enum gguf_type t = gguf_get_kv_type(g, id);
         if (t == GGUF_TYPE_FLOAT32) v = gguf_get_val_f32(g, id);
         else if (t == GGUF_TYPE_FLOAT64) v = gguf_get_val_f64(g, id);
@@ -114,11 +115,8 @@ static bool kv_float(loader *ld, const char *key, bool required, double def, dou
 // Per-layer integer array (or one scalar for all layers) of exactly n entries.
 static bool kv_layer_ints(loader *ld, const char *key, int n, int64_t lo, int64_t hi, int32_t *out) {
     const struct gguf_context *g = ld->m->gguf;
-    int64_t id = gguf_find_key(g, key);
-    if (id < 0) {
-        dg_set_err(ld->err, ld->err_len, "GGUF is missing the required key '%s'", key);
-        return false;
-    }
+    int64_t id;
+    if (!find_kv(ld, key, true, &id)) return false;
     enum gguf_type t = gguf_get_kv_type(g, id);
     if (t != GGUF_TYPE_ARRAY) {
         int32_t v;

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "engine.h"
+#include "ggml_blocks.h"
 
 typedef enum {
     DG_QK_OFF = 0,     // ggml's own ops
@@ -59,21 +60,6 @@ dg_qk_kernel dg_qk_avx2_kernel(enum ggml_type type);
 dg_qk_kernel dg_qk_avxvnni_kernel(enum ggml_type type);
 dg_qk_kernel dg_qk_avx512_kernel(enum ggml_type type);
 
-// ggml's block layouts (ggml-common.h; the sizes are checked against ggml_type_size at run time).
-#define DG_QK 32
-#define DG_QK_K 256
-typedef struct { uint16_t d; int8_t qs[DG_QK]; } dg_block_q8_0;
-typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[DG_QK / 2]; } dg_block_q5_0;
-typedef struct { float d; int8_t qs[DG_QK_K]; int16_t bsums[DG_QK_K / 16]; } dg_block_q8_K;
-typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[DG_QK_K / 2]; } dg_block_q4_K;
-typedef struct {
-    uint8_t ql[DG_QK_K / 2];
-    uint8_t qh[DG_QK_K / 4];
-    int8_t scales[DG_QK_K / 16];
-    uint16_t d;
-} dg_block_q6_K;
-typedef struct { uint16_t d; uint8_t qs[DG_QK / 2]; } dg_block_iq4_nl;
-typedef struct { uint16_t d, scales_h; uint8_t scales_l[DG_QK_K / 64]; uint8_t qs[DG_QK_K / 2]; } dg_block_iq4_xs;
 // Block decoding shared by the portable (qkernels.c) and AVX2 (qkernels_avx2.c) kernels, inline so that neither file
 // calls into the other.
 // the 16 values of IQ4_NL / IQ4_XS's 4-bit indices (the format's non-linear grid)

@@ -68,19 +68,30 @@ INLINE __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i
         }                                                         \
     } while (0)
 
+// A tile's activation rows: per row b < NR (at most MAXR) a zeroed f32 accumulator `acc` and its blocks `xb` (of T)
+#define TILE_ROWS(T, MAXR)            \
+    __m256 acc[MAXR];                 \
+    const T *xb[MAXR];                \
+    for (int b = 0; b < NR; b++) {    \
+        acc[b] = _mm256_setzero_ps(); \
+        xb[b] = (const T *)x[b];      \
+    }
+// the f32 values the activation quantization keeps after each row's blocks (block scales, or Q8_K's sums)
+#define TILE_SIDE(name, MAXR) \
+    const float *name[MAXR];  \
+    for (int b = 0; b < NR; b++) name[b] = (const float *)(x[b] + side)
+// per row, the s32 sums of one block, zeroed
+#define BLOCK_SUMS(MAXR) \
+    __m256i si[MAXR];    \
+    for (int b = 0; b < NR; b++) si[b] = _mm256_setzero_si256()
+
 // ---------------------------------------------------------------------------------------------------------------
 // Q8_0 weights × Q8_0 activations: per block Σ |w|·sign(x, w) in 8 s32 lanes, scaled by dw·dx into f32 lanes
 
 INLINE void q8_0_tile(const dg_block_q8_0 *w, const float *dw, const uint8_t **x, float **y, int64_t j, int64_t nb,
                       size_t side, const int NR) {
-    __m256 acc[6];
-    const dg_block_q8_0 *xb[6];
-    const float *dx[6];
-    for (int b = 0; b < NR; b++) {
-        acc[b] = _mm256_setzero_ps();
-        xb[b] = (const dg_block_q8_0 *)x[b];
-        dx[b] = (const float *)(x[b] + side);
-    }
+    TILE_ROWS(dg_block_q8_0, 6);
+    TILE_SIDE(dx, 6);
     for (int64_t i = 0; i < nb; i++) {
         const __m256i wv = load256(w[i].qs);
         const __m256i aw = _mm256_sign_epi8(wv, wv);
@@ -114,16 +125,10 @@ TARGET static void block_scales(const dg_qk_job *job, int64_t j0, int64_t j1, si
 // (q − 16)·x, so the same f32 sums.
 INLINE void q5_0_tile(const dg_block_q5_0 *w, const float *dw, const uint8_t **x, float **y, int64_t j, int64_t nb,
                       size_t side, const int NR) {
-    __m256 acc[6];
-    const dg_block_q8_0 *xb[6];
-    const float *dx[6];
-    const __m256i *lanes16[6];
-    for (int b = 0; b < NR; b++) {
-        acc[b] = _mm256_setzero_ps();
-        xb[b] = (const dg_block_q8_0 *)x[b];
-        dx[b] = (const float *)(x[b] + side);
-        lanes16[b] = (const __m256i *)(dx[b] + nb);
-    }
+    TILE_ROWS(dg_block_q8_0, 6);
+    TILE_SIDE(dx, 6);
+    const __m256i *lanes16[6];  // 16 · Σx per block, after the scales
+    for (int b = 0; b < NR; b++) lanes16[b] = (const __m256i *)(dx[b] + nb);
     for (int64_t i = 0; i < nb; i++) {
         const __m256i q = dg_q5_0_values_avx2(&w[i]);
         const __m256 d = _mm256_set1_ps(dw[i]);
@@ -149,17 +154,10 @@ typedef struct {  // one super-block of a weight row, decoded once per row
 
 INLINE void q4_K_tile(const dg_block_q4_K *w, const q4k_row_block *rb, const uint8_t **x, float **y, int64_t j,
                       int64_t nb, size_t side, const int NR) {
-    __m256 acc[6];
-    const dg_block_q8_K *xb[6];
-    const float *s32[6];
-    for (int b = 0; b < NR; b++) {
-        acc[b] = _mm256_setzero_ps();
-        xb[b] = (const dg_block_q8_K *)x[b];
-        s32[b] = (const float *)(x[b] + side);
-    }
+    TILE_ROWS(dg_block_q8_K, 6);
+    TILE_SIDE(s32, 6);
     for (int64_t i = 0; i < nb; i++) {
-        __m256i si[6];
-        for (int b = 0; b < NR; b++) si[b] = _mm256_setzero_si256();
+        BLOCK_SUMS(6);
 #pragma GCC unroll 1  // unrolled, GCC re-associates the integer sums into a tree and spills half of it
         for (int c = 0; c < 4; c++) {
             const __m256i lo = dg_q4_K_sub_avx2(&w[i], 2 * c), hi = dg_q4_K_sub_avx2(&w[i], 2 * c + 1);
@@ -213,15 +211,9 @@ TARGET static void q4_K_job(const dg_qk_job *job) {
 // minus 32 · Σ_g scale_g · bsum_g (the activations' group sums), all in s32 lanes, times d·dx
 
 INLINE void q6_K_tile(const dg_block_q6_K *w, const uint8_t **x, float **y, int64_t j, int64_t nb, const int NR) {
-    __m256 acc[6];
-    const dg_block_q8_K *xb[6];
-    for (int b = 0; b < NR; b++) {
-        acc[b] = _mm256_setzero_ps();
-        xb[b] = (const dg_block_q8_K *)x[b];
-    }
+    TILE_ROWS(dg_block_q8_K, 6);
     for (int64_t i = 0; i < nb; i++) {
-        __m256i si[6];
-        for (int b = 0; b < NR; b++) si[b] = _mm256_setzero_si256();
+        BLOCK_SUMS(6);
         const int8_t *sc = w[i].scales;
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));  // [sc0..7 | sc8..15]
         for (int h = 0; h < 2; h++) {
@@ -266,14 +258,8 @@ TARGET static void q6_K_job(const dg_qk_job *job) {
 
 INLINE void iq4_nl_tile(const dg_block_iq4_nl *w, const float *dw, const uint8_t **x, float **y, int64_t j,
                         int64_t nb, size_t side, const int NR) {
-    __m256 acc[6];
-    const dg_block_q8_0 *xb[6];
-    const float *dx[6];
-    for (int b = 0; b < NR; b++) {
-        acc[b] = _mm256_setzero_ps();
-        xb[b] = (const dg_block_q8_0 *)x[b];
-        dx[b] = (const float *)(x[b] + side);
-    }
+    TILE_ROWS(dg_block_q8_0, 6);
+    TILE_SIDE(dx, 6);
     const __m256i grid = dg_iq4_grid_avx2();
     for (int64_t i = 0; i < nb; i++) {
         const __m256i v = dg_iq4_values16_avx2(w[i].qs, grid);
@@ -297,16 +283,10 @@ typedef struct {  // one IQ4_XS super-block of a weight row, decoded once per ro
 
 INLINE void iq4_xs_tile(const dg_block_iq4_xs *w, const iq4xs_row_block *rb, const uint8_t **x, float **y, int64_t j,
                         int64_t nb, const int NR) {
-    __m256 acc[6];
-    const dg_block_q8_K *xb[6];
-    for (int b = 0; b < NR; b++) {
-        acc[b] = _mm256_setzero_ps();
-        xb[b] = (const dg_block_q8_K *)x[b];
-    }
+    TILE_ROWS(dg_block_q8_K, 6);
     const __m256i grid = dg_iq4_grid_avx2();
     for (int64_t i = 0; i < nb; i++) {
-        __m256i si[6];
-        for (int b = 0; b < NR; b++) si[b] = _mm256_setzero_si256();
+        BLOCK_SUMS(6);
 #pragma GCC unroll 1  // see q4_K_tile
         for (int sb = 0; sb < 8; sb++) {
             const __m256i v = dg_iq4_values16_avx2(w[i].qs + 16 * sb, grid);
@@ -358,17 +338,10 @@ typedef struct {
 } block8;
 
 INLINE void tile8(const block8 *wb, const uint8_t **x, float **y, int64_t j0, int64_t nb, size_t side, const int NR) {
-    __m256 acc[4];
-    const dg_block_q8_0 *xb[4];
-    const float *dx[4];
-    for (int b = 0; b < NR; b++) {
-        acc[b] = _mm256_setzero_ps();
-        xb[b] = (const dg_block_q8_0 *)x[b];
-        dx[b] = (const float *)(x[b] + side);
-    }
+    TILE_ROWS(dg_block_q8_0, 4);
+    TILE_SIDE(dx, 4);
     for (int64_t i = 0; i < nb; i++) {
-        __m256i si[4];
-        for (int b = 0; b < NR; b++) si[b] = _mm256_setzero_si256();
+        BLOCK_SUMS(4);
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++) {
             const __m256i wv = _mm256_load_si256(&wb[i].w[c]);

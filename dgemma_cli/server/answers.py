@@ -1,9 +1,10 @@
-"""One generation, independent of HTTP: prompt building, canvas budgeting, stop strings, `num_predict` cuts, metrics.
+"""What a generation answers, independent of HTTP: the canvas plan, then the runner's events turned into text (stop
+strings, `num_predict` cuts, thinking and tool calls split out), progress and metrics.
 
-Runs inside a worker thread and yields neutral outputs (`Text`, `Progress`, `Final`) that the Ollama and OpenAI route
-modules turn into their own wire shapes. `Progress` and `Metrics` are the wire records themselves (dgemma_cli/wire.py):
-a step event's fields get their wire names once, in `step_progress`. docs/compat.md#chat (truncation), #canvas-budget
-(budget), #streaming-shape, #standard-knobs.
+`run_generation` runs inside a worker thread and yields neutral outputs (`Text`, `Progress`, `Final`) that the Ollama
+and OpenAI route modules turn into their own wire shapes. `Progress` and `Metrics` are the wire records themselves
+(dgemma_cli/wire.py): a step event's fields get their wire names once, in `step_progress`. docs/compat.md
+#canvas-budget (budget), #streaming-shape, #standard-knobs.
 """
 import math
 import threading
@@ -12,10 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import SamplerSettings
 from dgemma_cli.server.runner import Runner
-from dgemma_cli.server.truncation import fit_chat
+from dgemma_cli.server.prompts import no_room_error
 from dgemma_cli.wire import Metrics, Progress
 from dgemma_engine.events import CanvasEvent, DoneEvent, StepEvent
 from dgemma_engine.chat.tool_calls import ToolCall, ToolCallFormat, ToolCallStream
@@ -49,45 +49,6 @@ class Plan:
 
 def _ns(seconds: float) -> int:
     return max(0, int(round(seconds * 1e9)))
-
-
-def no_room_error(prompt_tokens: int, canvas: int, n_ctx: int) -> RequestError:
-    return RequestError(
-        f"prompt ({prompt_tokens} tokens) leaves no room for a diffusion canvas ({canvas} tokens) "
-        f"within the context window ({n_ctx} tokens)"
-    )
-
-
-def render_failed(exc: Exception) -> RequestError:
-    """Template failures (sandbox violations included) are a clean 500 without internals (docs/compat.md, security H25);
-    a render over its time or size budget is a 400 with the budget's one line: the request's data drove it there."""
-    from dgemma_engine.chat.jinja import ChatTemplateBudgetError
-
-    if isinstance(exc, ChatTemplateBudgetError):
-        return RequestError(str(exc))
-    return RequestError("failed to render chat template", 500)
-
-
-def chat_prompt(runner: Runner, messages: list[dict], think: bool | None, truncate: bool,
-                tools: list[dict] | None = None) -> list[int]:
-    """Render and tokenize; with `truncate`, drop the oldest non-system messages (then the start of the latest one)
-    until prompt + one canvas fits (truncation.py)."""
-
-    def render_ids(kept: list[dict]) -> list[int]:
-        try:
-            text = runner.render_chat(kept, think, tools) if tools else runner.render_chat(kept, think)
-        except RequestError:
-            raise
-        except Exception as exc:  # jinja2 SecurityError, TemplateError, recursion, ...
-            raise render_failed(exc) from None
-        return runner.tokenize(text)
-
-    def no_room(tokens: int) -> RequestError:
-        return no_room_error(tokens, runner.canvas_length, runner.context_length)
-
-    budget = runner.context_length - runner.canvas_length
-    return fit_chat(list(messages), render_ids, lambda text: len(runner.tokenize(text)), budget, truncate,
-                    no_room).ids
 
 
 def plan_generation(runner: Runner, prompt_ids: list[int], sampler: SamplerSettings, max_canvases: int,
