@@ -14,21 +14,22 @@ import time
 
 from rich.console import Console
 
+from dgemma_cli import wire
 from dgemma_cli.local_server import connect
 from dgemma_cli.live_view import LiveView
 
 
 def run_once(client, model: str, prompt: str, seed: int, max_fps: float | None) -> dict:
     console = Console(file=io.StringIO(), force_terminal=True, width=120, height=40)
-    body = {"model": model, "prompt": prompt, "options": {"seed": seed, "diffusion_preview": True}}
+    body = wire.GenerateRequest(model=model, prompt=prompt, options={"seed": seed, "diffusion_preview": True})
     started = time.perf_counter()
     final = None
     with LiveView(console, max_fps=max_fps) as view:
         for chunk in client.generate_stream(body):
             if chunk.get("done"):
                 final = chunk
-            elif "completed" in chunk:
-                view.on_progress(chunk)
+            elif wire.progress_of(chunk) is not None:
+                view.on_progress(wire.progress_of(chunk))
             else:
                 view.on_text(chunk.get("response", ""), chunk.get("thinking", ""))
     wall = time.perf_counter() - started

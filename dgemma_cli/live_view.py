@@ -103,9 +103,8 @@ class LiveView:
 
     # ---- events ----------------------------------------------------------------------------------------------------
 
-    def on_progress(self, chunk: dict[str, Any]) -> None:
+    def on_progress(self, progress: Progress) -> None:
         started = self.clock()
-        progress = Progress.model_validate(chunk)
         same_canvas = self.draft is not None and self.draft.progress.canvas == progress.canvas
         self.draft = draft_of(progress, self.draft.preview_tokens if same_canvas else [])
         self.steps_seen += 1

@@ -101,10 +101,6 @@ def chunk_text(chunk: dict[str, Any]) -> tuple[str, str]:
     return str(chunk.get("response") or ""), str(chunk.get("thinking") or "")
 
 
-def is_progress(chunk: dict[str, Any]) -> bool:
-    return not chunk.get("done") and "completed" in chunk and "canvas" in chunk
-
-
 @dataclass
 class Output:
     """Where and how a generation is shown: stdout/stderr, colours, wrapping, live view."""
@@ -125,6 +121,8 @@ class Output:
 def stream_answer(chunks: Iterator[dict[str, Any]], output: Output) -> tuple[dict[str, Any] | None, str]:
     """Show one streamed answer; returns (final chunk, answer content). KeyboardInterrupt propagates after the output
     has been closed cleanly (the caller closes `chunks`, which aborts the HTTP request)."""
+    from dgemma_cli import wire
+
     settings = output.settings
     tty = is_tty(output.out)
     width = shutil.get_terminal_size((80, 24)).columns
@@ -147,11 +145,12 @@ def stream_answer(chunks: Iterator[dict[str, Any]], output: Output) -> tuple[dic
             if chunk.get("done"):
                 final = chunk
                 continue
-            if is_progress(chunk):
+            progress = wire.progress_of(chunk)
+            if progress is not None:
                 if live is not None:
-                    live.on_progress(chunk)
+                    live.on_progress(progress)
                 else:
-                    spinner.set(f"denoising canvas {chunk['canvas']} · step {chunk['completed']}/{chunk['total']}")
+                    spinner.set(f"denoising canvas {progress.canvas} · step {progress.completed}/{progress.total}")
                 continue
             content, thinking = chunk_text(chunk)
             if not content and not thinking:

@@ -145,7 +145,8 @@ def solve_and_show(client: Client, settings: RunSettings, text: str, out: TextIO
     """Parse `text` as a puzzle, have the server solve it (one request: the tries are the server's), show the grid;
     True when it is a solution."""
     from dgemma_cli.render import timing_block
-    from dgemma_cli.session import chunk_text, is_progress
+    from dgemma_cli import wire
+    from dgemma_cli.session import chunk_text
     from dgemma_cli.ui import Spinner, is_tty
 
     out = out if out is not None else sys.stdout
@@ -161,15 +162,16 @@ def solve_and_show(client: Client, settings: RunSettings, text: str, out: TextIO
     try:
         spinner.start("solving")
         for chunk in chunks:
+            progress = wire.progress_of(chunk)
             if chunk.get("done"):
                 final = chunk
-            elif is_progress(chunk):
-                counter = f"step {chunk.get('completed')}/{chunk.get('total')}"
-                if (chunk.get("task_try") or 1) > 1:
-                    counter += f" · try {chunk['task_try']}"
+            elif progress is not None:
+                counter = f"step {progress.completed}/{progress.total}"
+                if (progress.task_try or 1) > 1:
+                    counter += f" · try {progress.task_try}"
                 spinner.set(f"solving · {counter}")
-                if view is not None and chunk.get("preview") is not None:
-                    view.update(answer_grid(str(chunk["preview"])), counter)
+                if view is not None and progress.preview is not None:
+                    view.update(answer_grid(progress.preview), counter)
             else:
                 answer += chunk_text(chunk)[0]
     finally:

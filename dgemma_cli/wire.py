@@ -224,6 +224,14 @@ def _answer_model(name: str, head: type[WireModel], doc: str) -> type[WireModel]
     return create_model(name, __base__=head, __doc__=doc, __module__=__name__, **extras)
 
 
+def progress_of(line: dict[str, Any]) -> Progress | None:
+    """The denoising step a generate or chat stream line reports, None for a text or final line (a progress line holds
+    every required Progress key)."""
+    if line.get("done") or not all(key in line for key, field in Progress.model_fields.items() if field.is_required()):
+        return None
+    return Progress.model_validate({key: line[key] for key in Progress.model_fields if key in line})
+
+
 GenerateResponse = _answer_model("GenerateResponse", GenerateHead,
                                  "One /api/generate NDJSON line (or the whole answer with `stream: false`).")
 ChatResponse = _answer_model("ChatResponse", ChatHead,

@@ -10,6 +10,7 @@ import pytest
 from rich.console import Console
 
 from dgemma_cli.live_view import RENOISED_STYLE, SETTLED_STYLE, LiveView
+from dgemma_cli.wire import Progress, progress_of
 from run_helpers import FakeBehaviour, InProcessServer, fake_factory, make_store
 
 ANSWER = "Diffusion models write whole blocks at once, then refine them. ünïcödé ✓"
@@ -59,7 +60,7 @@ def test_every_step_is_drawn_and_the_final_output_is_the_committed_text(server):
             if chunk.get("done"):
                 continue
             if chunk in progress:
-                view.on_progress(chunk)
+                view.on_progress(progress_of(chunk))
             else:
                 view.on_text(chunk["response"])
             frames.append(console.export_text(clear=True))
@@ -78,8 +79,8 @@ def test_every_step_is_drawn_and_the_final_output_is_the_committed_text(server):
 def test_styles_follow_the_accept_mask():
     console = recording_console()
     view = LiveView(console, max_fps=None)
-    view.on_progress({"canvas": 1, "completed": 3, "total": 8, "preview": "abcd",
-                      "preview_tokens": ["a", "b", "c", "d"], "preview_accepted": [1, 1, 0, 1]})
+    view.on_progress(Progress.model_validate({"canvas": 1, "completed": 3, "total": 8, "preview": "abcd",
+                      "preview_tokens": ["a", "b", "c", "d"], "preview_accepted": [1, 1, 0, 1]}))
     text = view.draft_text()
     assert text.plain == "abcd"
     styled = [(text.plain[span.start:span.end], span.style) for span in text.spans]
@@ -88,12 +89,12 @@ def test_styles_follow_the_accept_mask():
 
 def test_without_a_mask_changed_positions_are_dimmed():
     view = LiveView(recording_console(), max_fps=None)
-    view.on_progress({"canvas": 1, "completed": 1, "total": 8, "preview_tokens": ["x", "y", "z"]})
-    view.on_progress({"canvas": 1, "completed": 2, "total": 8, "preview_tokens": ["x", "Y", "z"]})
+    view.on_progress(Progress.model_validate({"canvas": 1, "completed": 1, "total": 8, "preview_tokens": ["x", "y", "z"]}))
+    view.on_progress(Progress.model_validate({"canvas": 1, "completed": 2, "total": 8, "preview_tokens": ["x", "Y", "z"]}))
     text = view.draft_text()
     assert [(text.plain[s.start:s.end], s.style) for s in text.spans] == [
         ("x", SETTLED_STYLE), ("Y", RENOISED_STYLE), ("z", SETTLED_STYLE)]
-    view.on_progress({"canvas": 2, "completed": 1, "total": 8, "preview": "new"})  # a new canvas: nothing settled yet
+    view.on_progress(Progress.model_validate({"canvas": 2, "completed": 1, "total": 8, "preview": "new"}))  # a new canvas: nothing settled yet
     text = view.draft_text()
     assert [(text.plain[s.start:s.end], s.style) for s in text.spans] == [("new", RENOISED_STYLE)]
 
@@ -104,7 +105,7 @@ def test_redraws_are_throttled_but_commits_always_draw():
     with LiveView(console, max_fps=10.0, clock=lambda: now[0]) as view:
         for step in range(1, 251):  # 250 steps, 1 ms apart
             now[0] = step * 0.001
-            view.on_progress({"canvas": 1, "completed": step, "total": 250, "preview": "draft"})
+            view.on_progress(Progress.model_validate({"canvas": 1, "completed": step, "total": 250, "preview": "draft"}))
         view.on_text("done")
     assert view.steps_seen == 250
     assert view.frames_drawn == 3 + 1  # ~t = 0.001, 0.101, 0.201 s (10 frames/s), plus the commit
@@ -119,8 +120,8 @@ def test_drawing_overhead_per_step_is_small():
     with LiveView(console, max_fps=None) as view:
         for step in range(1, steps + 1):
             mask = [(i * 7 + step) % 3 != 0 for i in range(256)]
-            view.on_progress({"canvas": 1, "completed": step, "total": steps, "preview_tokens": pieces,
-                              "preview_accepted": mask, "entropy": 0.4, "accepted": sum(mask)})
+            view.on_progress(Progress.model_validate({"canvas": 1, "completed": step, "total": steps, "preview_tokens": pieces,
+                              "preview_accepted": mask, "entropy": 0.4, "accepted": sum(mask)}))
     per_step_ms = (time.perf_counter() - started) / steps * 1e3
     print(f"live view: {per_step_ms:.2f} ms per drawn step (256 positions, unthrottled)")
     assert view.frames_drawn == steps
