@@ -14,6 +14,8 @@ def parse_ids(text: str) -> list[int]:
         raise typer.BadParameter(f"expected comma-separated token ids, got {text!r}") from None
 
 
+NUM_GPU_HELP = "layers on accelerators / RPC devices (-ngl)"
+NUM_CPU_MOE_HELP = "first N layers keep their experts on the CPU"
 LORA_HELP = "LoRA adapter: a GGUF LoRA file or a PEFT adapter folder; PATH:SCALE scales it (default 1); repeatable"
 
 
@@ -34,6 +36,8 @@ def logits(
     sc_temperature: float = typer.Option(1.0, "--sc-temperature", help="temperature applied to --sc-logits"),
     out: Path = typer.Option(..., "--out", help="output .npy, float32 [canvas_len, vocab]"),
     threads: Optional[int] = typer.Option(None, "--threads"),
+    num_gpu: Optional[int] = typer.Option(None, "--num-gpu", help=NUM_GPU_HELP),
+    num_cpu_moe: int = typer.Option(0, "--num-cpu-moe", help=NUM_CPU_MOE_HELP),
     lora: Optional[List[str]] = typer.Option(None, "--lora", help=LORA_HELP),
 ) -> None:
     """Write the softcapped decoder logits for one denoising step (prompt encoded first)."""
@@ -41,7 +45,7 @@ def logits(
 
     with adapter_files(lora) as adapters:
         debug_logits(model, parse_ids(prompt_ids), parse_ids(canvas_ids), sc_logits, sc_temperature, out, threads,
-                     adapters=adapters)
+                     adapters=adapters, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe)
 
 
 @app.command("generate")
@@ -60,8 +64,8 @@ def generate(
     num_canvases: Optional[int] = typer.Option(None, "--num-canvases",
                                                help="candidate canvases denoised together (the lowest-entropy one is kept)"),
     threads: Optional[int] = typer.Option(None, "--threads"),
-    num_gpu: Optional[int] = typer.Option(None, "--num-gpu", help="layers on accelerators / RPC devices (-ngl)"),
-    num_cpu_moe: int = typer.Option(0, "--num-cpu-moe", help="first N layers keep their experts on the CPU"),
+    num_gpu: Optional[int] = typer.Option(None, "--num-gpu", help=NUM_GPU_HELP),
+    num_cpu_moe: int = typer.Option(0, "--num-cpu-moe", help=NUM_CPU_MOE_HELP),
     lora: Optional[List[str]] = typer.Option(None, "--lora", help=LORA_HELP),
 ) -> None:
     """Print JSON {"sequence": [...], "steps_per_canvas": [...]} for one generation."""

@@ -14,15 +14,16 @@ from dgemma_engine.model import Context, Model
 
 def debug_logits(model: str | os.PathLike, prompt_ids: list[int], canvas_ids: list[int],
                  sc_logits: str | os.PathLike | None, sc_temperature: float, out: str | os.PathLike,
-                 threads: int | None = None, adapters: Sequence = ()) -> None:
+                 threads: int | None = None, adapters: Sequence = (), num_gpu: int | None = None,
+                 num_cpu_moe: int = 0) -> None:
     """Write float32 [len(canvas_ids), vocab]: the softcapped logits of one decoder step after encoding the prompt.
 
     With `sc_logits` (an .npy of the previous step's *raw* logits) the step is self-conditioned on them, tempered by
-    `sc_temperature` inside the engine; without it the step is the first of a canvas. `adapters`: LoRA adapters as
-    `Model.load` takes them (paths or (path, scale))."""
+    `sc_temperature` inside the engine; without it the step is the first of a canvas. `adapters`, `num_gpu`,
+    `num_cpu_moe`: as `Model.load` takes them (the placement, so parity is checked per placement)."""
     if not canvas_ids:
         raise EngineError("--canvas-ids must not be empty")
-    with Model.load(model, threads=threads, adapters=adapters) as m:
+    with Model.load(model, threads=threads, adapters=adapters, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe) as m:
         previous = _load_sc_logits(sc_logits, len(canvas_ids), m.hparams.n_vocab) if sc_logits else None
         with Context(m, n_ctx=len(prompt_ids) + len(canvas_ids), threads=threads) as ctx:
             ctx.encode(prompt_ids)

@@ -23,7 +23,7 @@ import pytest
 from dgemma_engine import devices
 from dgemma_engine.errors import EngineError
 from dgemma_engine.model import Model, Placement
-from test_engine import FIXTURE_NAMES, TOLERANCE
+from test_engine import FIXTURE_NAMES, TOLERANCE, golden_index, load_run
 from test_generate_free_running import debug_generate_cmd, golden, params_for
 
 from dgemma_cli.cmd_run import ps_table
@@ -163,6 +163,24 @@ def test_debug_generate_cli_on_an_rpc_split(gguf_path, rpc_endpoint):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     out.pop("timings")
     assert out == {"sequence": rec["seq"].tolist(), "steps_per_canvas": meta["steps_per_canvas"]}
+
+
+@needs_rpc
+def test_debug_logits_cli_takes_the_placement(gguf_path, rpc_endpoint, tmp_path):
+    """`debug logits --num-gpu/--num-cpu-moe` on an RPC split: the recorded first step of a golden run, within the
+    fixtures' tolerance of transformers (parity per placement)."""
+    name, run_name = "tiny-a", next(n for n, m in golden_index("tiny-a")["runs"].items() if m["has_raw"])
+    run = load_run(name, run_name)
+    assert int(run["pos"][0][0]) == len(run["prompt"]) and not run["has_sc"][0]  # the first step after the prompt
+    canvas, want = run["canvas"][0], run["raw"][0]
+    env = {**__import__("os").environ, "DGEMMA_RPC": rpc_endpoint}
+    out = tmp_path / "logits.npy"
+    cmd = [sys.executable, "-m", "dgemma_cli.main", "debug", "logits", str(gguf_path(name, "f32")), "--prompt-ids",
+           ",".join(map(str, run["prompt"])), "--canvas-ids", ",".join(map(str, canvas)), "--out", str(out),
+           "--threads", "1", "--num-gpu", "2", "--num-cpu-moe", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert np.abs(np.load(out) - want).max() <= TOLERANCE
 
 
 @needs_rpc
