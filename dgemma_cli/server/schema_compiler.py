@@ -41,7 +41,7 @@ VOCABULARIES = 4                # vocabularies kept in memory, by GGUF path
 REFUSALS = 256                  # (vocabulary, schema) pairs known to exceed the CPU limit: refused again at once
 WALL_LIMIT_FACTOR = 30          # a compile starved of CPU by generations is given up after this × its CPU limit
 VOCABULARY_KEYS = frozenset({gguf_keys.KEY_TOKENS, gguf_keys.KEY_TOKEN_TYPE})
-BACKGROUND_CPU_LIMIT_S = 1800.0  # "any JSON object" takes ~40 CPU seconds at 262k tokens; a crafted vocabulary less
+BACKGROUND_CPU_LIMIT_S = 1800.0  # "any JSON object" takes ~45 CPU seconds at 262k tokens; a crafted vocabulary less
 STORE_STATUS = "compiling structured output"  # the create/pull status line while "any JSON object" compiles
 POLL_S = 0.25                   # how often a create or pull waiting for its compile checks that its client is there
 
