@@ -279,7 +279,7 @@ def _on_loop(loop: asyncio.AbstractEventLoop, coroutine: Any, cancel: threading.
             return None
     try:
         result = future.result()
-    except (Exception, concurrent.futures.CancelledError) as exc:  # noqa: BLE001 - logged; the model is stored
+    except Exception as exc:  # noqa: BLE001 - logged (a compile cancelled at shutdown too); the model is stored
         log.info('no "any JSON object" automaton for %s: %s', os.path.basename(str(path)),
                  str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
