@@ -4,6 +4,7 @@ the compile times.
 
     python3 bench/structured_vocab.py [--runs 5] [--steps 2] [--threads 2] [--outtype q8_0] [--skip-reference]
                                       [--json out.json]
+    python3 bench/structured_vocab.py --first-request [--runs 3] [--steps 2] [--outtype q8_0] [--json out.json]
 
 The model: 2 layers, hidden 256, random weights written without torch (tests/synthetic_checkpoint.py), with a
 synthetic Gemma-style vocabulary of 262,144 tokens (bench/schema_compile.py: the released special ids, the byte
@@ -19,6 +20,14 @@ added time per canvas is the constrained median minus the free one, from the sam
 constrained canvases, the decode alone: best_canvas (fast) against best_canvas_reference (the plain program), which
 must return the same canvas; `--skip-reference` leaves the plain program out (it takes about half a minute per canvas
 for "json"). With it, one canvas per format is also generated end to end with the plain program (the "before").
+
+`--first-request` measures what a user sees instead, through the CLI and `dgemma serve`: `dgemma create` of the model
+into an empty store (its in-process server; each status line timed, so the time the "any JSON object" compile adds to
+the create is the span of its `compiling structured output` line), then, `--runs` times and interleaved, a fresh
+`dgemma serve` whose first request is `/api/generate` with `format: "json"`, and a fresh one whose first request is the
+same without a format (one canvas: num_predict 255, `--steps` steps, the same seed). Both include the model's load;
+the difference is what the format adds to the first request after a start. After the json-first request the same
+server answers the request again without and with the format (warm: the per-canvas cost alone).
 """
 from __future__ import annotations
 
@@ -147,6 +156,103 @@ def one_canvas(ctx, model, tokenizer, prompt, params, seed: int, threads: int, a
     raise RuntimeError("no canvas")
 
 
+# ---- the first request after a start, on a model made with `dgemma create` ----------------------------------------
+
+def timed_lines(command: list[str], env: dict) -> tuple[list[tuple[float, str]], float]:
+    """Run `command`; each line it prints (stdout and stderr) with the seconds since the start when it came, and the
+    whole run's seconds."""
+    import subprocess
+
+    started = time.perf_counter()
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=common.REPO)
+    lines = [(time.perf_counter() - started, raw.decode(errors="replace").rstrip()) for raw in child.stdout]
+    if child.wait() != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n" + "\n".join(text for _, text in lines))
+    return lines, time.perf_counter() - started
+
+
+def dgemma_create(models: Path, gguf: Path) -> dict:
+    """`dgemma create v262k -f Modelfile` with no server running (the CLI serves the store in-process)."""
+    import os
+
+    from server_harness import free_port
+
+    folder = models.parent / "modelfile"
+    folder.mkdir(exist_ok=True)
+    (folder / "Modelfile").write_text(f"FROM {gguf}\n")
+    env = {**os.environ, "DGEMMA_MODELS": str(models), "DGEMMA_HOST": f"127.0.0.1:{free_port()}",
+           "PYTHONPATH": os.pathsep.join([str(common.REPO), os.environ.get("PYTHONPATH", "")])}
+    lines, total = timed_lines([sys.executable, "-m", "dgemma_cli.main", "create", "v262k", "-f",
+                                str(folder / "Modelfile")], env)
+    from dgemma_cli.server.schema_compiler import STORE_STATUS
+
+    at = {text: seconds for seconds, text in lines}
+    compile_s = at["success"] - at[STORE_STATUS] if STORE_STATUS in at else 0.0
+    return {"create_s": total, "compile_s": compile_s, "lines": [f"{s:7.2f} s  {t}" for s, t in lines]}
+
+
+def first_requests(models: Path, rounds: int, steps: int) -> dict:
+    import httpx
+
+    from server_harness import ServeProcess
+
+    body = {"model": "v262k", "prompt": "Answer in JSON.", "stream": False,
+            "options": {"num_predict": CANVAS - 1, "diffusion_steps": steps, "seed": 1}}
+    json_body = {**body, "format": "json"}
+    out: dict[str, list[float]] = {"json first": [], "free first": [], "free warm": [], "json warm": []}
+
+    def ask(client, request) -> float:
+        started = time.perf_counter()
+        answer = client.post("/api/generate", json=request)
+        seconds = time.perf_counter() - started
+        if answer.status_code != 200:
+            raise RuntimeError(answer.text)
+        if "format" in request:
+            json.loads(answer.json()["response"])  # it parses
+        return seconds
+
+    for _ in range(rounds):
+        for first in ("json", "free"):
+            with ServeProcess(models, {"DGEMMA_NOPRUNE": "1"}) as server, \
+                    httpx.Client(base_url=server.url, timeout=3600) as client:
+                out[f"{first} first"].append(ask(client, json_body if first == "json" else body))
+                if first == "json":
+                    out["free warm"].append(ask(client, body))
+                    out["json warm"].append(ask(client, json_body))
+    return out
+
+
+def first_request_main(args) -> int:
+    gguf = build_model(args.outtype, args.threads)
+    report: dict = {"cpu": common.cpu_description(), "model": str(gguf), "steps": args.steps, "runs": args.runs}
+    print(report["cpu"])
+    with tempfile.TemporaryDirectory() as tmp:
+        models = Path(tmp) / "models"
+        created = dgemma_create(models, gguf)
+        print("\n".join(created.pop("lines")))
+        again = dgemma_create(models, gguf)  # the file is there: the step only finds it
+        again.pop("lines")
+        report["create"] = {"first": created, "again": again}
+        print(f"dgemma create: {created['create_s']:.2f} s, of which compiling structured output "
+              f"{created['compile_s']:.2f} s; again (cached) {again['create_s']:.2f} s, that step "
+              f"{again['compile_s']:.2f} s")
+        cached = sorted((models / "cache" / "automata").rglob("*.npz"))
+        print("cache files:", ", ".join(f"{p.stat().st_size / 2**20:.1f} MiB" for p in cached))
+        times = first_requests(models, args.runs, args.steps)
+    report["request_s"] = times
+    medians = {label: statistics.median(t) for label, t in times.items()}
+    report["median_s"] = medians
+    print(f"\nfirst request after a fresh `dgemma serve` (model load included; C = {CANVAS}, {args.steps} steps, "
+          f"medians of {args.runs}, interleaved)")
+    for label, seconds in medians.items():
+        print(f"  {label:12s} {seconds:7.2f} s   {' '.join(f'{t:.2f}' for t in times[label])}")
+    print(f"  added by format json to the first request: {medians['json first'] - medians['free first']:+.2f} s; "
+          f"warm, per canvas: {medians['json warm'] - medians['free warm']:+.2f} s")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
@@ -155,7 +261,11 @@ def main() -> int:
     parser.add_argument("--outtype", default="q8_0")
     parser.add_argument("--skip-reference", action="store_true")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--first-request", action="store_true",
+                        help="time `dgemma create` and the first request after a start, with and without format json")
     args = parser.parse_args()
+    if args.first_request:
+        return first_request_main(args)
 
     from dgemma_engine import constrained
     from dgemma_engine.generate import SamplerParams

@@ -49,8 +49,9 @@ class LocalServer:
             server_log.addHandler(logging.NullHandler())
             server_log.propagate = False
         self.url = f"http://127.0.0.1:{port}"
-        # A server for one command: a background "any JSON object" compile would rarely finish before it ends (a
-        # `run --format json` compiles it on request, as the background compile would).
+        # A server for one command: a background "any JSON object" compile at load would rarely finish before it ends
+        # (a `run --format json` compiles it on request, as the background compile would). `create` and `pull` are
+        # unaffected: they compile it into the store's cache as their last step, so the file is there when they return.
         app = create_app(config, precompile_formats=False)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="debug" if config.debug else "critical",
                                                     lifespan="on", timeout_graceful_shutdown=2))

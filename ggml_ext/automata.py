@@ -2,7 +2,7 @@
 cache files (docs/generation.md, "Structured output").
 
 Compiling is outlines-core's work and its cost depends on the schema and the vocabulary: milliseconds for a small
-schema on a small vocabulary, seconds for a 6-field schema at the released 262,144 tokens, a minute or more for "any
+schema on a small vocabulary, seconds for a 6-field schema at the released 262,144 tokens, tens of seconds for "any
 JSON object" there, and no end for hostile schemas (`minLength: 100000`, patterns whose DFA explodes). So:
 - what does not depend on the schema is computed once per vocabulary (`Vocabulary`: the bytes each text token writes,
   the stop ids, a digest naming them);

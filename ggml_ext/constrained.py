@@ -108,20 +108,35 @@ class TokenAutomaton:
     @classmethod
     def build(cls, transitions: dict[int, dict[int, int]], initial: int, finals: Sequence[int],
               stop_ids: Sequence[int]) -> TokenAutomaton:
-        stops = set(int(t) for t in stop_ids)
-        states = sorted(set(transitions) | {d for edges in transitions.values() for d in edges.values()} | {initial})
-        number = {state: i for i, state in enumerate(states)}
-        end = len(states)
-        edges = [(number[s], t, number[d]) for s, out in transitions.items() for t, d in out.items() if t not in stops]
-        final_numbers = sorted(number[f] for f in finals if f in number)
-        edges += [(f, stop, end) for f in final_numbers for stop in sorted(stops)]
-        if not edges:
+        # Edges in the order of `transitions` (its sources, then each source's tokens), then the stop edges; stably
+        # sorted by destination. Array work per source: "any JSON object" at 262,144 tokens has 19 million edges.
+        stops = np.array(sorted({int(t) for t in stop_ids}), dtype=np.int64)
+        outs = [(int(s), np.fromiter(out.keys(), np.int64, len(out)), np.fromiter(out.values(), np.int64, len(out)))
+                for s, out in transitions.items()]
+        states = np.unique(np.concatenate([np.array([initial, *transitions], dtype=np.int64), *(d for *_, d in outs)]))
+        end = len(states)                               # state ids are numbered in ascending order
+        srcs, toks, dsts = [], [], []
+        for s, tok, dst in outs:
+            if len(stops):
+                kept = ~np.isin(tok, stops)
+                tok, dst = tok[kept], dst[kept]
+            toks.append(tok)
+            dsts.append(np.searchsorted(states, dst))
+            srcs.append(np.full(len(tok), np.searchsorted(states, s), dtype=np.int64))
+        finals = np.array(sorted({int(f) for f in finals}), dtype=np.int64)
+        at = np.minimum(np.searchsorted(states, finals), end - 1)
+        final_numbers = at[states[at] == finals]        # finals that are no state are dropped
+        srcs.append(np.repeat(final_numbers, len(stops)))
+        toks.append(np.tile(stops, len(final_numbers)))
+        dsts.append(np.full(len(final_numbers) * len(stops), end, dtype=np.int64))
+        src, tok, dst = (np.concatenate(parts) for parts in (srcs, toks, dsts))
+        if not len(src):
             raise ConstraintError("the vocabulary cannot write any value of this schema")
-        arr = np.array(edges, dtype=np.int64)
-        arr = arr[np.argsort(arr[:, 2], kind="stable")]
-        src, tok, dst = (np.ascontiguousarray(arr[:, k]) for k in range(3))
+        order = np.argsort(dst, kind="stable")
+        src, tok, dst = (np.ascontiguousarray(x[order]) for x in (src, tok, dst))
         seg_starts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]])
-        automaton = cls(end + 1, number[initial], src, tok, dst, seg_starts, dst[seg_starts], frozenset(final_numbers))
+        automaton = cls(end + 1, int(np.searchsorted(states, initial)), src, tok, dst, seg_starts, dst[seg_starts],
+                        frozenset(int(f) for f in final_numbers))
         automaton.tokens_to_close  # noqa: B018 - computed where the automaton is compiled, and pickled with it
         return automaton
 

@@ -151,6 +151,9 @@ class FakeSchemaCompiler:
     def precompile(self, model) -> None:
         pass
 
+    def with_store_compile(self, produce, stored_gguf):
+        return produce
+
     async def close(self) -> None:
         pass
 

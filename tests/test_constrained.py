@@ -77,3 +77,53 @@ def _accepts(seq):
         return False
     text = "".join("abc"[t] if t < 3 else "?" for t in seq[:seq.index(3)])
     return len(text) >= 2 and text[0] == "a" and text[-1] == "c" and set(text[1:-1]) <= {"b"}
+
+
+def _plain_build(transitions, initial, finals, stop_ids):
+    """TokenAutomaton.build edge by edge, as it was first written: states numbered in ascending id order, edges in
+    the order of `transitions` then the stop edges, stably sorted by destination."""
+    stops = set(stop_ids)
+    states = sorted(set(transitions) | {d for out in transitions.values() for d in out.values()} | {initial})
+    number = {state: i for i, state in enumerate(states)}
+    end = len(states)
+    edges = [(number[s], t, number[d]) for s, out in transitions.items() for t, d in out.items() if t not in stops]
+    final_numbers = sorted(number[f] for f in finals if f in number)
+    edges += [(f, stop, end) for f in final_numbers for stop in sorted(stops)]
+    if not edges:
+        return None
+    arr = np.array(edges, dtype=np.int64)
+    arr = arr[np.argsort(arr[:, 2], kind="stable")]
+    return end + 1, number[initial], arr[:, 0], arr[:, 1], arr[:, 2], frozenset(final_numbers)
+
+
+def test_the_automaton_is_built_as_edge_by_edge():
+    """build works on arrays per source state (19 million edges for "any JSON object" at 262,144 tokens); it gives
+    the automaton the edge-by-edge construction gives, on random transition tables: state ids dense, strided as
+    outlines-core's are, or scattered; stop ids among the tokens; finals that are no state; no edges at all."""
+    from dgemma_engine.constrained import ConstraintError
+
+    rng = np.random.default_rng(7)
+    for case in range(600):
+        n_states, n_tokens = int(rng.integers(1, 9)), int(rng.integers(1, 11))
+        dense, strided = rng.choice(1000, n_states + 3, replace=False), rng.choice(10**5, n_states + 3, replace=False)
+        ids = [dense, 64 * strided + 383616, rng.choice(10**9, n_states + 3, replace=False)][case % 3].tolist()
+        transitions = {}
+        for s in rng.choice(ids, int(rng.integers(0, n_states + 1)), replace=False).tolist():
+            tokens = rng.choice(n_tokens, int(rng.integers(0, n_tokens + 1)), replace=False).tolist()
+            transitions[s] = {t: int(rng.choice(ids)) for t in tokens}
+        initial = int(rng.choice(ids))
+        finals = rng.choice(ids, int(rng.integers(0, 4)), replace=False).tolist()
+        stops = rng.choice(n_tokens + 2, int(rng.integers(0, 3)), replace=False).tolist()
+        expected = _plain_build(transitions, initial, finals, stops)
+        if expected is None:
+            with pytest.raises(ConstraintError):
+                TokenAutomaton.build(transitions, initial, finals, stops)
+            continue
+        got = TokenAutomaton.build(transitions, initial, finals, stops)
+        n_states_, initial_, src, tok, dst, finals_ = expected
+        assert (got.n_states, got.initial, got.finals) == (n_states_, initial_, finals_)
+        assert type(got.initial) is int and all(type(f) is int for f in got.finals)
+        for name, want in (("src", src), ("tok", tok), ("dst", dst)):
+            assert getattr(got, name).dtype == np.int64 and np.array_equal(getattr(got, name), want), name
+        assert np.array_equal(got.seg_dst, dst[got.seg_starts])
+        assert np.array_equal(got.seg_starts, np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]]))

@@ -1,7 +1,8 @@
 """Structured output's compile step (docs/generation.md, "Structured output"): done before the request queues for the
 model, in a child process limited in CPU time and killed when the client leaves, cached per (vocabulary, schema) in
 memory and on disk. Hostile schemas get a quick 400 and do not slow the requests around them; "any JSON object" is
-compiled in the background when the model loads and is never refused."""
+compiled into the store's cache when a model is created or pulled (a compile that fails there fails neither), in the
+background when a model loads, and is never refused."""
 import hashlib
 import json
 import statistics
@@ -13,11 +14,11 @@ import httpx
 import numpy as np
 import pytest
 
-from dgemma_cli.server.schema_compiler import read_vocabulary
+from dgemma_cli.server.schema_compiler import STORE_STATUS, read_vocabulary
 from dgemma_engine.automata import (CompileLimitExceeded, CompileStopped, Vocabulary, cache_file, compile_isolated,
                                     load_automaton, save_automaton)
 from json_schemas import HOSTILE_SCHEMAS, SCHEMAS
-from server_harness import ServeProcess
+from server_harness import InProcessServer, ServeProcess, ndjson
 
 LIMIT_S = 2.0                   # DGEMMA_SCHEMA_COMPILE_TIMEOUT of the served tests
 SLACK_S = 10.0                  # a child at the lowest priority on a busy 2-core machine gets its CPU late
@@ -192,10 +193,21 @@ def served(tmp_path_factory, gguf_path):
         data = gguf_path("tiny-a", "f32").read_bytes()
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         client.post(f"/api/blobs/{digest}", content=data).raise_for_status()
-        created = client.post("/api/create", json={"model": "tiny", "files": {"tiny-a.gguf": digest},
-                                                   "stream": False})
+        created = client.post("/api/create", json={"model": "tiny", "files": {"tiny-a.gguf": digest}})
         assert created.status_code == 200, created.text
+        server.create_statuses = [line["status"] for line in ndjson(created)]
         yield server, client, root / "models"
+
+
+def json_object_file(models: Path, gguf: Path) -> Path:
+    """Where the store's cache keeps "any JSON object" for the model in `gguf`."""
+    return cache_file(models / "cache" / "automata", read_vocabulary(str(gguf)), None)
+
+
+def test_create_compiles_any_json_object_into_the_store(served, gguf_path):
+    server, _, models = served
+    assert server.create_statuses[-3:] == ["writing manifest", STORE_STATUS, "success"]
+    assert load_automaton(json_object_file(models, gguf_path("tiny-a", "f32")), 512) is not None
 
 
 def generate(client: httpx.Client, schema=None, **overrides) -> tuple[httpx.Response, float]:
@@ -248,15 +260,18 @@ def test_a_client_that_leaves_stops_its_compile_and_frees_the_model(served):
     assert response.status_code == 200 and seconds < 30
 
 
-def test_any_json_object_waits_for_the_background_compile_and_is_never_refused(served):
-    """"Any JSON object" on tiny-a takes several CPU seconds, more than the 2 s limit: it is compiled in the background
-    once the model has loaded and the request waits for it."""
+def test_any_json_object_is_never_refused_and_comes_from_the_creates_compile(served, gguf_path):
+    """"Any JSON object" on tiny-a takes several CPU seconds, more than the 2 s limit; it was compiled when the model
+    was created, and the request reads it (the load-time compile, for a model whose create did not compile it, is
+    tested below)."""
     _, client, models = served
-    assert generate(client)[0].status_code == 200  # loads the model, which starts the background compile
+    compiled = json_object_file(models, gguf_path("tiny-a", "f32"))
+    written = compiled.stat().st_mtime_ns
+    assert generate(client)[0].status_code == 200
     response, _ = generate(client, "json", options={"num_predict": 32, "diffusion_steps": 2, "seed": 3})
     assert response.status_code == 200, response.text
     assert isinstance(json.loads(response.json()["response"]), dict)
-    assert len(list((models / "cache" / "automata").rglob("*.npz"))) >= 1
+    assert compiled.stat().st_mtime_ns == written
 
 
 def test_compiled_schemas_survive_a_restart_and_a_damaged_file_is_recompiled(served):
@@ -318,3 +333,49 @@ def test_hostile_compiles_leave_a_concurrent_request_within_thrice_its_quiet_lat
     # compiles only run while a vCPU idles but still share the host core; without the low priority the request
     # waits for the compiles (2.5-5x there with nice 19 alone)
     assert statistics.median(beside) <= 3 * statistics.median(quiet)
+
+
+# ---- a compile that fails at create; pull ----------------------------------------------------------------------------
+
+def test_a_failing_compile_does_not_fail_create_and_pull_writes_the_cache_file(tmp_path, gguf_path, registry,
+                                                                               monkeypatch):
+    """In a server of its own (in this process, so that the compile can be made to fail): the create succeeds without
+    the file; a `format: "json"` request then compiles it (waiting for it, above the request limit); a pull of the
+    same weights writes the file again once it is gone."""
+    import dgemma_engine.automata as automata
+    from dgemma_cli.server.app import default_runner_factory
+    from dgemma_cli.server.config import ServerConfig
+    from dgemma_cli.store import MEDIA_MODEL, Store
+
+    models = tmp_path / "models"
+    config = ServerConfig.from_env({"DGEMMA_MODELS": str(models), "DGEMMA_NOPRUNE": "1",
+                                    "DGEMMA_SCHEMA_COMPILE_TIMEOUT": f"{LIMIT_S:g}"})
+    gguf = gguf_path("tiny-a", "f32")
+    data = gguf.read_bytes()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    compiled = json_object_file(models, gguf)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the compiler crashed")
+
+    with InProcessServer(config, Store(models), default_runner_factory) as server, \
+            httpx.Client(base_url=server.url, timeout=600) as client:
+        client.post(f"/api/blobs/{digest}", content=data).raise_for_status()
+        with monkeypatch.context() as patched:
+            patched.setattr(automata, "compile_isolated", broken)
+            created = client.post("/api/create", json={"model": "tiny", "files": {"tiny-a.gguf": digest}})
+        assert created.status_code == 200, created.text
+        assert [line["status"] for line in ndjson(created)][-2:] == [STORE_STATUS, "success"]
+        assert not compiled.exists()
+
+        response, _ = generate(client, "json", options={"num_predict": 32, "diffusion_steps": 2, "seed": 5})
+        assert response.status_code == 200, response.text
+        assert isinstance(json.loads(response.json()["response"]), dict)
+        assert load_automaton(compiled, 512) is not None
+
+        compiled.unlink()
+        registry.add_model("library/tiny:latest", [(MEDIA_MODEL, data)])
+        pulled = client.post("/api/pull", json={"model": f"{registry.host}/library/tiny:latest", "insecure": True})
+        assert pulled.status_code == 200, pulled.text
+        assert [line.get("status") for line in ndjson(pulled)][-2:] == [STORE_STATUS, "success"]
+        assert load_automaton(compiled, 512) is not None

@@ -283,6 +283,7 @@ async def pull(req: wire.PullRequest, request: Request):
             return pull_bundled(svc.store, name)
         return registry_pull(name, svc.store, insecure=bool(req.insecure), cancel=cancel)
 
+    produce = svc.schemas.with_store_compile(produce, lambda: svc.store.resolve(name).gguf_path)
     return await _progress_answer(request, WorkerStream(produce, lambda failed: None), req.stream)
 
 
@@ -339,6 +340,7 @@ async def create(req: wire.CreateRequest, request: Request):
     def produce(cancel: threading.Event):
         return create_upload.create(svc.store, name, req, gguf_paths)
 
+    produce = svc.schemas.with_store_compile(produce, lambda: svc.store.resolve(name).gguf_path)
     return await _progress_answer(request, WorkerStream(produce, lambda failed: None), req.stream)
 
 

@@ -8,21 +8,25 @@ DGEMMA_SCHEMA_COMPILE_TIMEOUT seconds of CPU time it is killed and the request g
 `parallel` such children run at once (two on a small machine, so one hostile schema does not make a valid one wait),
 at the lowest CPU priority, so generations keep their speed.
 
-"Any JSON object" is shared instead: it is the same for every request and costs minutes of CPU at the released
-vocabulary, so it is compiled once per vocabulary in the background when a model loads, without that limit, and a
-request for it waits for that compile rather than being refused. Every automaton is kept in memory (the last
-CACHE_SIZE) and on disk (`<models>/cache/automata/`), so it is compiled once per (vocabulary, schema), across
-restarts. Before an automaton is handed out, the constrained decoder's index of it (dgemma_engine.constrained
-.decode_index: its runs of edges and token sets) is built in a thread, once per automaton in memory, so a request's
-first canvas does not wait for it.
+"Any JSON object" is shared instead: it is the same for every request and costs tens of CPU seconds at the released
+vocabulary, so it is compiled once per vocabulary, without that limit, and a request for it waits for that compile
+rather than being refused. It is compiled into the disk cache as the last step of `/api/create` and `/api/pull`, so
+that even the first load of a new model reads it from disk, and in the background when a model loads (a no-op when it
+is cached). Every automaton is kept in memory (the last CACHE_SIZE) and on disk (`<models>/cache/automata/`), so it is
+compiled once per (vocabulary, schema), across restarts. Before an automaton is handed out, the constrained decoder's
+index of it (dgemma_engine.constrained.decode_index: its runs of edges and token sets) is built in a thread, once per
+automaton in memory, so a request's first canvas does not wait for it.
 """
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
 import tempfile
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +41,9 @@ VOCABULARIES = 4                # vocabularies kept in memory, by GGUF path
 REFUSALS = 256                  # (vocabulary, schema) pairs known to exceed the CPU limit: refused again at once
 WALL_LIMIT_FACTOR = 30          # a compile starved of CPU by generations is given up after this × its CPU limit
 VOCABULARY_KEYS = frozenset({gguf_keys.KEY_TOKENS, gguf_keys.KEY_TOKEN_TYPE})
-BACKGROUND_CPU_LIMIT_S = 1800.0  # "any JSON object" takes ~95 CPU seconds at 262k tokens; a crafted vocabulary less
+BACKGROUND_CPU_LIMIT_S = 1800.0  # "any JSON object" takes ~45 CPU seconds at 262k tokens; a crafted vocabulary less
+STORE_STATUS = "compiling structured output"  # the create/pull status line while "any JSON object" compiles
+POLL_S = 0.25                   # how often a create or pull waiting for its compile checks that its client is there
 
 
 @dataclass(eq=False)
@@ -94,6 +100,61 @@ class SchemaCompiler:
         task = asyncio.ensure_future(self._precompile(str(path)))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def with_store_compile(self, produce: Callable[[threading.Event], Iterator[Any]],
+                           stored_gguf: Callable[[], Any]) -> Callable[[threading.Event], Iterator[Any]]:
+        """`produce` (a create's or a pull's status stream, run in a WorkerStream's thread) with "any JSON object"
+        compiled into the disk cache for the model it stored before its closing `success`, under the status
+        STORE_STATUS when there is something to compile. `stored_gguf()` gives that model's GGUF path (None: no model
+        layer). Called on the event loop. The compile is the shared background one (idle priority, no request limit);
+        a compile that fails, or a vocabulary that cannot write an object, is logged and the operation still
+        succeeds; a client that leaves stops the waiting, not the compile."""
+        loop = asyncio.get_running_loop()
+
+        def statuses(cancel: threading.Event) -> Iterator[Any]:
+            held = None  # a `success` is passed on only when another status follows it (a create that pulls its base)
+            for status in produce(cancel):
+                if held is not None:
+                    yield held
+                    held = None
+                if isinstance(status, dict) and status.get("status") == "success":
+                    held = status
+                else:
+                    yield status
+            if held is None:
+                return
+            if not cancel.is_set():
+                yield from self._store_compile(loop, stored_gguf, cancel)
+            yield held
+
+        return statuses
+
+    async def store_compile_needed(self, gguf_path: str | os.PathLike) -> bool:
+        """Whether "any JSON object" for the model in `gguf_path` is still to be compiled into the disk cache: there
+        is a writable cache, the vocabulary can open an object, and the file is not there yet."""
+        from dgemma_engine.automata import cache_file
+
+        if self.cache_dir is None:
+            return False
+        vocabulary = await self.vocabulary(gguf_path)
+        if not any(written.startswith(b"{") for written in vocabulary.token_map):  # the value's first byte
+            log.info('no "any JSON object" automaton for %s: no token opens an object', os.path.basename(gguf_path))
+            return False
+        path = cache_file(self.cache_dir, vocabulary, None)
+        return await asyncio.to_thread(_writable_dir, path.parent) and not await asyncio.to_thread(path.is_file)
+
+    async def compile_into_cache(self, gguf_path: str | os.PathLike) -> bool:
+        """Compile "any JSON object" for the model in `gguf_path` into the disk cache (store_compile_needed said
+        so); True once done, ConstraintError when the compile fails."""
+        from dgemma_engine.automata import cache_file, save_automaton, schema_key
+
+        vocabulary = await self.vocabulary(gguf_path)
+        automaton = self._automata.get((vocabulary.digest, schema_key(None)))
+        if automaton is not None:  # compiled by this server, its file removed since
+            await asyncio.to_thread(save_automaton, cache_file(self.cache_dir, vocabulary, None), automaton)
+        else:
+            await self.automaton(gguf_path, None)
+        return True
 
     async def close(self) -> None:
         """Stop every compile (their children are killed)."""
@@ -182,11 +243,47 @@ class SchemaCompiler:
         while len(self._automata) > CACHE_SIZE:
             self._automata.popitem(last=False)
 
+    def _store_compile(self, loop: asyncio.AbstractEventLoop, stored_gguf: Callable[[], Any],
+                       cancel: threading.Event) -> Iterator[dict[str, str]]:
+        """In a create's or pull's worker thread: STORE_STATUS and the compile, when there is one to do."""
+        try:
+            path = stored_gguf()
+        except Exception as exc:  # noqa: BLE001 - the model is stored; a later request compiles on demand
+            log.warning('no "any JSON object" automaton compiled for the new model: %s', exc)
+            return
+        if path is None or not _on_loop(loop, self.store_compile_needed(path), cancel, path):
+            return
+        yield {"status": STORE_STATUS}
+        started = time.monotonic()
+        if _on_loop(loop, self.compile_into_cache(path), cancel, path):
+            log.info('"any JSON object" for %s compiled into the cache in %.1f s', os.path.basename(str(path)),
+                     time.monotonic() - started)
+
     async def _precompile(self, path: str) -> None:
         try:
             await self.automaton(path, None)
         except Exception as exc:  # noqa: BLE001 - a request for it reports the same error itself
             log.info('no "any JSON object" automaton for %s: %s', os.path.basename(path), exc)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, coroutine: Any, cancel: threading.Event, path: Any) -> Any:
+    """Run `coroutine` on `loop` from a worker thread and wait for it: its result, or None when it failed (logged) or
+    `cancel` was set first (the client left; the coroutine goes on)."""
+    try:
+        future = asyncio.run_coroutine_threadsafe(coroutine, loop)
+    except RuntimeError:  # the loop is closed: the server is shutting down
+        coroutine.close()
+        return None
+    while not concurrent.futures.wait([future], timeout=POLL_S).done:
+        if cancel.is_set():
+            return None
+    try:
+        result = future.result()
+    except Exception as exc:  # noqa: BLE001 - logged (a compile cancelled at shutdown too); the model is stored
+        log.info('no "any JSON object" automaton for %s: %s', os.path.basename(str(path)),
+                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
+    return result
 
 
 def read_vocabulary(path: str) -> Any:
