@@ -190,10 +190,14 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
         stats = GenerationStats(prompt_tokens=len(prompt), prompt_eval_s=denoise_start - start, canvases=0,
                                 steps_per_canvas=[], committed_tokens=0, denoise_s=0.0, tokens_per_s=0.0, seed=seed)
 
+        transfers = getattr(ctx, "transfers", None)  # engine contexts count what their steps copy
+        transfers_before = transfers() if transfers else None
+
         def finish(reason: str) -> DoneEvent:
             elapsed = time.perf_counter() - denoise_start
             rate = stats.committed_tokens / elapsed if elapsed > 0 else 0.0
-            return DoneEvent(reason, replace(stats, denoise_s=elapsed, tokens_per_s=rate))
+            per_step = (transfers() - transfers_before).bytes_per_step if transfers else 0.0
+            return DoneEvent(reason, replace(stats, denoise_s=elapsed, tokens_per_s=rate, host_bytes_per_step=per_step))
 
         for b in range(n_canvases):
             candidates = [_Candidate(k, s, s.begin_canvas()) for k, s in enumerate(samplers)]

@@ -118,6 +118,8 @@ def _engine() -> ctypes.CDLL:
         "dg_context_set_self_cond": (I, [P, P, I, C, S]),
         "dg_context_logits": (P, [P]),
         "dg_context_logits_rows": (I, [P]),
+        "dg_context_transfers": (None, [P, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                                        ctypes.POINTER(ctypes.c_int64)]),
         "dg_context_soft_embedding": (I, [P, P, I, P, C, S]),
         # devices.c: per-layer placement (the registry and RPC servers: dgemma_engine.devices)
         "dg_model_offload": (I, [P, I, I, C, S]),
@@ -355,6 +357,23 @@ class Model(_Closeable):
 
 
 
+@dataclass(frozen=True)
+class Transfers:
+    """What a context's decoder steps copied between the host and the devices (Context.transfers)."""
+
+    to_device: int     # bytes written to device memory (device to device included)
+    from_device: int   # bytes read back to host memory
+    steps: int         # decoder steps counted
+
+    def __sub__(self, other: Transfers) -> Transfers:
+        return Transfers(self.to_device - other.to_device, self.from_device - other.from_device,
+                         self.steps - other.steps)
+
+    @property
+    def bytes_per_step(self) -> float:
+        return (self.to_device + self.from_device) / self.steps if self.steps else 0.0
+
+
 def _load_adapters(handle: int, files: Sequence[tuple[Path, float, str]]) -> None:
     """Fold the GGUF LoRA files (path, scale, name for errors) into the model before its weights are placed."""
     lib = _engine()
@@ -495,6 +514,14 @@ class Context(_Closeable):
         """Read-only view of the last step's logits."""
         ptr = self.logits_address()
         return self._view(ptr, _engine().dg_context_logits_rows(self._handle))
+
+    def transfers(self) -> Transfers:
+        """Bytes the decoder steps of this context copied between the host and the devices so far, and the steps
+        counted (docs/engine.md#what-crosses). All zero when every unit is on the CPU."""
+        to_dev, from_dev, steps = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int64()
+        _engine().dg_context_transfers(self._require(), ctypes.byref(to_dev), ctypes.byref(from_dev),
+                                       ctypes.byref(steps))
+        return Transfers(to_dev.value, from_dev.value, steps.value)
 
     def _soft_embedding(self, probs: np.ndarray) -> np.ndarray:
         """probs [n, n_vocab] · token embedding through the engine's self-conditioning graph (tests only)."""

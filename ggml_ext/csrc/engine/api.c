@@ -143,6 +143,14 @@ DG_API float *dg_context_logits(const dg_context *c) { return dg_last_logits(c);
 
 DG_API int dg_context_logits_rows(const dg_context *c) { return c->last < 0 ? 0 : c->last_rows; }
 
+// Bytes decoder steps copied between the host and the devices since the context was made, and the steps counted
+// (docs/engine.md#what-crosses).
+DG_API void dg_context_transfers(const dg_context *c, uint64_t *to_device, uint64_t *from_device, int64_t *steps) {
+    *to_device = c->xfer_to_device;
+    *from_device = c->xfer_from_device;
+    *steps = c->xfer_steps;
+}
+
 // out [n, H] = probs [n, V] · E through the step's sliced soft-embedding graph (no embedding scale): the soft
 // embedding a step computes, for tests/test_engine_selfcond.py.
 DG_API int dg_context_soft_embedding(dg_context *c, const float *probs, int n, float *out, char *err, size_t err_len) {

@@ -97,8 +97,20 @@ static void fill_decoder_mask(float *mask, dg_attn_span span, int rows) {
 // n rows = n_canvases canvases of n / n_canvases rows each, all at positions n_past..; logits rows in the same order.
 // Self-conditioning reads the previous step's rows, which must have been the same layout. profile non-NULL: timed
 // node by node, seconds[class] += each node's time (DG_PROFILE_COUNT entries, dg_profile_class).
+static float *step_counted(dg_context *c, const int32_t *ids, int n, int n_canvases, int use_self_cond,
+                          float inv_temp, double *profile, char *err, size_t err_len);
+
 float *dg_step(dg_context *c, const int32_t *ids, int n, int n_canvases, int use_self_cond, float inv_temp,
                double *profile, char *err, size_t err_len) {
+    c->counting = true;
+    float *out = step_counted(c, ids, n, n_canvases, use_self_cond, inv_temp, profile, err, err_len);
+    c->counting = false;
+    if (out) c->xfer_steps++;
+    return out;
+}
+
+static float *step_counted(dg_context *c, const int32_t *ids, int n, int n_canvases, int use_self_cond,
+                          float inv_temp, double *profile, char *err, size_t err_len) {
     if (err && err_len) err[0] = 0;
     const dg_model *m = c->model;
     if (n_canvases < 1 || n_canvases > c->max_canvases) {
@@ -145,14 +157,15 @@ float *dg_step(dg_context *c, const int32_t *ids, int n, int n_canvases, int use
         return NULL;
     }
     if (!dg_place_graph(c, g->ctx, g->gf, err, err_len)) return NULL;
+    dg_count_split_copies(c, g->gf);
     int32_t *pos = malloc(sizeof(int32_t) * (size_t)n);
     if (!pos) {
         dg_set_err(err, err_len, "out of memory");
         return NULL;
     }
     for (int i = 0; i < n; i++) pos[i] = c->n_past + i % rows_per;
-    ggml_backend_tensor_set(g->ids, ids, 0, ggml_nbytes(g->ids));
-    ggml_backend_tensor_set(g->pos, pos, 0, ggml_nbytes(g->pos));
+    dg_tensor_set(c, g->ids, ids, 0, ggml_nbytes(g->ids));
+    dg_tensor_set(c, g->pos, pos, 0, ggml_nbytes(g->pos));
     free(pos);
     if (sc) memcpy(&g->sc_softmax->op_params[0], &inv_temp, sizeof(float));  // soft_max_ext's params: scale, bias
     for (int kind = 0; kind < 2; kind++) {
@@ -163,7 +176,7 @@ float *dg_step(dg_context *c, const int32_t *ids, int n, int n_canvases, int use
             return NULL;
         }
         fill_decoder_mask(mask, g->span[kind], rows_per);
-        ggml_backend_tensor_set(g->mask[kind], mask, 0, ggml_nbytes(g->mask[kind]));
+        dg_tensor_set(c, g->mask[kind], mask, 0, ggml_nbytes(g->mask[kind]));
         free(mask);
     }
     const bool ok = dg_compute(c, g->gf, profile, err, err_len);
@@ -177,7 +190,7 @@ float *dg_step(dg_context *c, const int32_t *ids, int n, int n_canvases, int use
     c->last = out;
     c->last_rows = n;
     if (!c->logits_host[out]) return c->logits[out]->data;
-    ggml_backend_tensor_get(c->logits[out], c->logits_host[out], 0, sizeof(float) * (size_t)n * (size_t)m->hp.n_vocab);
+    dg_tensor_get(c, c->logits[out], c->logits_host[out], 0, sizeof(float) * (size_t)n * (size_t)m->hp.n_vocab);
     return c->logits_host[out];
 }
 
@@ -204,7 +217,9 @@ int dg_keep_canvases(dg_context *c, const uint8_t *keep, int n_canvases, char *e
         dg_set_err(err, err_len, "keep_canvases must keep at least one canvas");
         return -1;
     }
-    if (host) ggml_backend_tensor_set(t, host, 0, (size_t)kept * canvas_bytes);
+    c->counting = true;
+    if (host) dg_tensor_set(c, t, host, 0, (size_t)kept * canvas_bytes);
+    c->counting = false;
     c->last_rows = kept * (c->last_rows / n_canvases);
     return kept;
 }

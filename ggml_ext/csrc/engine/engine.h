@@ -162,6 +162,13 @@ typedef struct dg_context {
     int steps_n_canvases;
     double *profile;  // while a profiled step runs: seconds per class (dg_profile_class; the eval callback adds to it)
     double profile_t0;
+
+    // Bytes copied between the host and the devices by decoder steps (and keep_canvases), summed since the context
+    // was made: the engine's own reads and writes of tensors outside host memory (dg_tensor_get/set), and the
+    // scheduler's copies of split inputs (dg_count_split_copies; device to device counts as to_device).
+    bool counting;  // inside a step: dg_tensor_get/set count
+    uint64_t xfer_to_device, xfer_from_device;
+    int64_t xfer_steps;
 } dg_context;
 
 // Where a profiled step's time goes (dg_context_step_profiled; bench/real_shapes.py names them in this order).
@@ -282,6 +289,12 @@ bool dg_place_graph(dg_context *c, struct ggml_context *gctx, struct ggml_cgraph
 bool dg_compute(dg_context *c, struct ggml_cgraph *gf, double *profile, char *err, size_t err_len);
 bool dg_ids_ok(const dg_model *m, const int32_t *ids, int n, char *err, size_t err_len);
 void dg_free_step_graphs(dg_context *c);
+// ggml_backend_tensor_set/get, counted in the context's transfer totals while c->counting when t's memory is not
+// the host's
+void dg_tensor_set(dg_context *c, struct ggml_tensor *t, const void *data, size_t offset, size_t size);
+void dg_tensor_get(dg_context *c, const struct ggml_tensor *t, void *data, size_t offset, size_t size);
+// after dg_place_graph: add the bytes of the split inputs the scheduler will copy when gf runs
+void dg_count_split_copies(dg_context *c, struct ggml_cgraph *gf);
 
 // encoder.c: encode n tokens after the cached ones (0, or -1 with err set)
 int dg_encode(dg_context *c, const int32_t *ids, int n, char *err, size_t err_len);
