@@ -24,9 +24,11 @@ from dgemma_engine.settings import SettingError, check_values
 
 def run_debug_generation(model: Model, prompt_ids: Sequence[int], params: SamplerParams, max_new_tokens: int,
                          eos_ids: Sequence[int] | None = None, pad_id: int | None = -1,
-                         threads: int | None = None, timings: bool = False) -> dict[str, Any]:
+                         threads: int | None = None, timings: bool = False,
+                         sample_on_device: bool | None = None) -> dict[str, Any]:
     """Generate on a loaded model; returns {"sequence", "steps_per_canvas"} (and "timings" when asked). eos_ids None:
-    the GGUF's stop ids (eos_ids_from_metadata); pad_id -1: the GGUF's padding id (None: no padding after EOS)."""
+    the GGUF's stop ids (eos_ids_from_metadata); pad_id -1: the GGUF's padding id (None: no padding after EOS).
+    sample_on_device: as `generate` takes it (None: where the logits live decides)."""
     if not prompt_ids:
         raise EngineError("--prompt-ids must not be empty")
     C = model.hparams.canvas_length
@@ -42,7 +44,7 @@ def run_debug_generation(model: Model, prompt_ids: Sequence[int], params: Sample
     host_bytes_per_step = 0.0
     with Context(model, n_ctx=n_ctx, threads=threads, max_canvases=params.num_canvases) as ctx:
         for event in generate(ctx, prompt_ids, params, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                              threads=threads):
+                              threads=threads, sample_on_device=sample_on_device):
             match event:
                 case CanvasEvent():
                     canvases.append(event)

@@ -114,6 +114,8 @@ def _engine() -> ctypes.CDLL:
         "dg_context_encode": (I, [P, P, I, C, S]),
         "dg_context_step_canvases": (P, [P, P, I, I, I, F, C, S]),
         "dg_context_step_profiled": (P, [P, P, I, I, F, P, C, S]),
+        "dg_context_step_reduced": (I, [P, P, I, I, I, F, F, P, P, P, P, C, S]),
+        "dg_context_logits_on_host": (I, [P]),
         "dg_context_keep_canvases": (I, [P, P, I, C, S]),
         "dg_context_set_self_cond": (I, [P, P, I, C, S]),
         "dg_context_logits": (P, [P]),
@@ -358,6 +360,15 @@ class Model(_Closeable):
 
 
 @dataclass(frozen=True)
+class Reductions:
+    """What a sampling step (Context.step_reduced) returns per canvas row."""
+
+    argmax: np.ndarray   # int32
+    entropy: np.ndarray  # float32, nats, of the tempered distribution
+    draw: np.ndarray     # int32: the inverse-CDF draw at the row's uniform
+
+
+@dataclass(frozen=True)
 class Transfers:
     """What a context's decoder steps copied between the host and the devices (Context.transfers)."""
 
@@ -463,6 +474,40 @@ class Context(_Closeable):
             raise EngineError(_error(err))
         return self._view(ptr, arr.size)
 
+    @property
+    def logits_on_device(self) -> bool:
+        """The logits buffers live on the output's device (not in host memory): a plain step copies its logits to
+        the host, a sampling step (`step_reduced`) does not."""
+        return not _engine().dg_context_logits_on_host(self._require())
+
+    def step_reduced(self, canvas_ids, temperature: float, uniforms, sc_temperature: float | None = None
+                     ) -> Reductions:
+        """A sampling step (fast RNG mode, docs/engine.md#sampling-on-the-device): the decoder step, then per canvas
+        row in the graph, on the output's device: the tempered probabilities softmax(logits / temperature), kept
+        there as the next step's self-conditioning input, the argmax, the entropy and the inverse-CDF draw at
+        `uniforms` (one in [0, 1) per row). Only those three numbers per row come back; the logits are not kept
+        (`logits()` has none after it). `canvas_ids` and `sc_temperature` as in `step` (the latter only matters after
+        a plain step; after a sampling step the probabilities are read as they are)."""
+        candidates = np.asarray(canvas_ids)
+        n_canvases = candidates.shape[0] if candidates.ndim == 2 else 1
+        arr = _token_array(candidates.reshape(-1), self._n_vocab, "canvas ids")
+        u = np.ascontiguousarray(uniforms, dtype=np.float32)
+        if u.shape != (arr.size,):
+            raise EngineError(f"a sampling step needs one uniform per canvas row ({arr.size}), got {u.shape}")
+        t = float(temperature)
+        if not (np.isfinite(t) and t > 0):
+            raise EngineError(f"temperature must be positive and finite, got {temperature}")
+        sc_inv = 0.0 if sc_temperature is None else 1.0 / float(sc_temperature)
+        out = Reductions(np.zeros(arr.size, np.int32), np.zeros(arr.size, np.float32), np.zeros(arr.size, np.int32))
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        rc = _engine().dg_context_step_reduced(self._require(), arr.ctypes.data, arr.size, n_canvases,
+                                               int(sc_temperature is not None), sc_inv, 1.0 / t, u.ctypes.data,
+                                               out.argmax.ctypes.data, out.entropy.ctypes.data, out.draw.ctypes.data,
+                                               err, _ERR_LEN)
+        if rc != 0:
+            raise EngineError(_error(err))
+        return out
+
     def step_profiled(self, canvas_ids, sc_temperature: float | None = None) -> dict[str, float]:
         """`step` on one canvas, computed node by node: seconds spent per class of node (PROFILE_CLASSES). Slower
         than `step` by the per-node synchronisation; for benchmarks."""
@@ -507,7 +552,7 @@ class Context(_Closeable):
         """Address of the float32 [rows, n_vocab] logits of the last step (for the C sampler, zero copy)."""
         ptr = _engine().dg_context_logits(self._require())
         if not ptr:
-            raise EngineError("no logits yet: run a step first")
+            raise EngineError("no logits: no step has run, or the last one sampled on the device and kept none")
         return ptr
 
     def logits(self) -> np.ndarray:

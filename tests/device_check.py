@@ -5,7 +5,8 @@ load, so every placement that uses an RPC device is checked here, in a subproces
 {"ggufs": {"tiny-a": path, ...}, "placements": [{"num_gpu": n | null, "num_cpu_moe": k}, ...],
  "free_running": [[fixture, run], ...]}; DGEMMA_RPC names the servers. Output (stdout, one JSON line): per placement,
 the placement's description, the max |Δlogits| against transformers over every golden decoder call, the max against
-the CPU fast path, and each free-running run's sequence and steps per canvas (`debug generate --rng torch`).
+the CPU fast path, and each free-running run's sequence and steps per canvas (`debug generate --rng torch`); sampling
+steps against the C sampler (tests/sampling_check.py) and the bytes a fast-mode step copies between host and devices.
 """
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+from sampling_check import kept_candidate, reduced_vs_host  # noqa: E402
 from test_engine import golden_index, load_run, replay  # noqa: E402
 from test_generate_free_running import golden, params_for  # noqa: E402
 
 from dgemma_engine.debug_generate import run_debug_generation  # noqa: E402
+from dgemma_engine.generate import SamplerParams  # noqa: E402
 from dgemma_engine.model import Context, Model  # noqa: E402
 
 THREADS = 1
+SAMPLING_PROMPT = list(range(2, 30))
 
 
 def teacher_forced(model: Model, name: str) -> dict[str, list[np.ndarray]]:
@@ -54,6 +58,14 @@ def check(ggufs: dict[str, str], placement: dict, free_running: list, reference:
                 fixture["max_vs_fast_path"] = max(
                     float(np.abs(got - ref).max())
                     for run_name, v in calls.items() for (got, _), ref in zip(v, reference[name][run_name]))
+            # sampling steps against the C sampler, candidates dropped on the device, and what a fast-mode step copies
+            fixture["sampling"] = reduced_vs_host(model, SAMPLING_PROMPT)
+            fixture["kept_candidate"] = [kept_candidate(model, SAMPLING_PROMPT, sampling) for sampling in (True, False)]
+            fast = SamplerParams(max_steps=4, seed=2, rng="fast")
+            timings = run_debug_generation(model, SAMPLING_PROMPT, fast, model.hparams.canvas_length, eos_ids=(),
+                                           threads=THREADS, timings=True)["timings"]
+            fixture["fast_host_bytes_per_step"] = timings["host_bytes_per_step"]
+            fixture["n_vocab"] = model.hparams.n_vocab
             for fixture_name, run in free_running:
                 if fixture_name != name:
                     continue

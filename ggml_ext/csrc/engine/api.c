@@ -120,6 +120,19 @@ DG_API float *dg_context_step_canvases(dg_context *c, const int32_t *ids, int n,
     return dg_step(c, ids, n, n_canvases, use_self_cond, inv_temp, NULL, err, err_len);
 }
 
+// A sampling step (fast RNG mode; docs/engine.md#sampling-on-the-device): the logits stay on the output's device as
+// the tempered probabilities softmax(logits · inv_temp), which the next self-conditioned step reads; per row only
+// the argmax, the entropy (nats) and the inverse-CDF draw at uniforms[i] ∈ [0, 1) come back. 0, or -1 with err set.
+DG_API int dg_context_step_reduced(dg_context *c, const int32_t *ids, int n, int n_canvases, int use_self_cond,
+                                   float sc_inv_temp, float inv_temp, const float *uniforms, int32_t *argmax,
+                                   float *entropy, int32_t *draw, char *err, size_t err_len) {
+    return dg_step_reduced(c, ids, n, n_canvases, use_self_cond, sc_inv_temp, inv_temp, uniforms, argmax, entropy,
+                           draw, err, err_len);
+}
+
+// Whether the logits buffers live in host memory (the CPU), else on the output's device.
+DG_API int dg_context_logits_on_host(const dg_context *c) { return ggml_backend_buffer_is_host(c->logits[0]->buffer); }
+
 // The same step on one canvas, timed node by node: seconds[class] += each node's time (DG_PROFILE_COUNT entries).
 DG_API float *dg_context_step_profiled(dg_context *c, const int32_t *ids, int n, int use_self_cond, float inv_temp,
                                        double *seconds, char *err, size_t err_len) {

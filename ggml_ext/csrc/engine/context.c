@@ -2,7 +2,6 @@
 // buffers (allocated here, managed by kv_cache.c and decoder.c), placing and computing a graph, per-node profiling.
 // The passes themselves are encoder.c and decoder.c.
 #define _POSIX_C_SOURCE 200809L  // clock_gettime, sysconf under -std=c11
-#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,8 +24,10 @@ struct ggml_context *dg_new_graph_ctx(const dg_model *m) {
 
 // Place a graph with the scheduler: every node on a device, split inputs copied, compute buffers allocated. A graph
 // may have been placed before in buffers that have since been re-planned for another graph, so its compute tensors
-// are detached first and placed again. Custom ops (fused GELU, tiled experts) are CPU code: pinned to the CPU.
-bool dg_place_graph(dg_context *c, struct ggml_context *gctx, struct ggml_cgraph *gf, char *err, size_t err_len) {
+// are detached first and placed again. Custom ops (fused GELU, tiled experts) are CPU code: pinned to the CPU; pins
+// name other nodes' devices.
+bool dg_place_graph(dg_context *c, struct ggml_context *gctx, struct ggml_cgraph *gf, const dg_pin *pins, int n_pins,
+                    char *err, size_t err_len) {
     for (struct ggml_tensor *t = ggml_get_first_tensor(gctx); t; t = ggml_get_next_tensor(gctx, t)) {
         t->data = NULL;
         t->buffer = NULL;
@@ -35,6 +36,11 @@ bool dg_place_graph(dg_context *c, struct ggml_context *gctx, struct ggml_cgraph
     for (int i = 0; i < ggml_graph_n_nodes(gf); i++) {
         struct ggml_tensor *node = ggml_graph_node(gf, i);
         if (node->op == GGML_OP_CUSTOM) ggml_backend_sched_set_tensor_backend(c->sched, node, c->backends[0]);
+    }
+    for (int i = 0; i < n_pins; i++) {  // an op the device lacks is left to the scheduler (it runs on the CPU)
+        ggml_backend_t b = c->backends[pins[i].device];
+        if (pins[i].t->op != GGML_OP_CUSTOM && ggml_backend_supports_op(b, pins[i].t))
+            ggml_backend_sched_set_tensor_backend(c->sched, pins[i].t, b);
     }
     if (!ggml_backend_sched_alloc_graph(c->sched, gf)) {
         dg_set_err(err, err_len, "cannot allocate the compute graph (out of memory)");
@@ -128,65 +134,17 @@ bool dg_ids_ok(const dg_model *m, const int32_t *ids, int n, char *err, size_t e
     return true;
 }
 
-static bool in_host_memory(const struct ggml_tensor *t) {
-    const struct ggml_tensor *base = t->view_src ? t->view_src : t;
-    return !base->buffer || ggml_backend_buffer_is_host(base->buffer);
-}
-
-void dg_tensor_set(dg_context *c, struct ggml_tensor *t, const void *data, size_t offset, size_t size) {
-    ggml_backend_tensor_set(t, data, offset, size);
-    if (c->counting && !in_host_memory(t)) c->xfer_to_device += size;
-}
-
-void dg_tensor_get(dg_context *c, const struct ggml_tensor *t, void *data, size_t offset, size_t size) {
-    ggml_backend_tensor_get(t, data, offset, size);
-    if (c->counting && !in_host_memory(t)) c->xfer_from_device += size;
-}
-
-static int compare_ptr(const void *a, const void *b) {
-    const uintptr_t x = (uintptr_t) * (const void *const *)a, y = (uintptr_t) * (const void *const *)b;
-    return (x > y) - (x < y);
-}
-
-// The scheduler copies every split input into a tensor of its own in the destination's compute buffer, named
-// "<backend>#<source>#<copy>", and rewires the consumers' sources to it (ggml-backend.cpp, split_graph); each such
-// tensor is filled once per run. So the distinct rewired sources are exactly what crosses between backends.
-void dg_count_split_copies(dg_context *c, struct ggml_cgraph *gf) {
-    if (c->model->place.n_devices < 2) return;
-    const int n_nodes = ggml_graph_n_nodes(gf);
-    const size_t cap = (size_t)n_nodes * GGML_MAX_SRC;
-    const struct ggml_tensor **seen = malloc(sizeof(*seen) * (cap ? cap : 1));
-    if (!seen) return;  // a count is not worth failing a step for
-    size_t n = 0;
-    for (int i = 0; i < n_nodes; i++) {
-        const struct ggml_tensor *node = ggml_graph_node(gf, i);
-        for (int j = 0; j < GGML_MAX_SRC; j++) {
-            const struct ggml_tensor *s = node->src[j];
-            if (s && s->buffer && ggml_backend_buffer_get_usage(s->buffer) == GGML_BACKEND_BUFFER_USAGE_COMPUTE &&
-                strchr(s->name, '#'))
-                seen[n++] = s;
-        }
-    }
-    qsort(seen, n, sizeof(*seen), compare_ptr);
-    const char *cpu = ggml_backend_name(c->backends[0]);
-    const size_t cpu_len = strlen(cpu);
-    for (size_t i = 0; i < n; i++) {
-        if (i > 0 && seen[i] == seen[i - 1]) continue;
-        const bool to_cpu = strncmp(seen[i]->name, cpu, cpu_len) == 0 && seen[i]->name[cpu_len] == '#';
-        if (to_cpu) c->xfer_from_device += ggml_nbytes(seen[i]);
-        else c->xfer_to_device += ggml_nbytes(seen[i]);
-    }
-    free(seen);
-}
-
 void dg_free_step_graphs(dg_context *c) {
-    for (int s = 0; s < 2; s++) {
+    for (int s = 0; s < DG_SC_MODES; s++) {
         for (int o = 0; o < 2; o++) {
-            dg_step_graph *g = &c->steps[s][o];
-            if (g->ctx) ggml_free(g->ctx);
-            memset(g, 0, sizeof(*g));
+            for (int r = 0; r < 2; r++) {
+                dg_step_graph *g = &c->steps[s][o][r];
+                if (g->ctx) ggml_free(g->ctx);
+                memset(g, 0, sizeof(*g));
+            }
         }
     }
+    c->steps_tails_clear = false;
     c->steps_n_past = -1;
     c->steps_swa_base = -1;
     c->steps_n_rows = -1;
@@ -340,5 +298,6 @@ void dg_context_clear(dg_context *c) {
     c->swa_base = 0;
     c->last = -1;
     c->last_rows = 0;
+    c->holds_probs[0] = c->holds_probs[1] = false;
     dg_free_step_graphs(c);
 }
