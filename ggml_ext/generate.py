@@ -195,6 +195,8 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
     n_canvases = math.ceil(max_new_tokens / C)
     decoder = tokenizer.stream_decoder() if tokenizer is not None else None
     on_device = _sample_on_device(ctx, params, constraint, sample_on_device)
+    if hasattr(ctx, "self_cond_top_k"):
+        ctx.self_cond_top_k = int(params.self_cond_top_k)
 
     samplers = [Sampler(C, V, max_steps=params.max_steps, t_min=params.t_min, t_max=params.t_max,
                         entropy_bound=params.entropy_bound, confidence_threshold=params.confidence_threshold,

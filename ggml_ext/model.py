@@ -116,6 +116,7 @@ def _engine() -> ctypes.CDLL:
         "dg_context_step_profiled": (P, [P, P, I, I, F, P, C, S]),
         "dg_context_step_reduced": (I, [P, P, I, I, I, F, F, P, P, P, P, C, S]),
         "dg_context_logits_on_host": (I, [P]),
+        "dg_context_set_self_cond_top_k": (I, [P, I, C, S]),
         "dg_context_keep_canvases": (I, [P, P, I, C, S]),
         "dg_context_set_self_cond": (I, [P, P, I, C, S]),
         "dg_context_logits": (P, [P]),
@@ -423,6 +424,7 @@ class Context(_Closeable):
             raise EngineError(f"cannot create a context: {_error(err)}")
         self.n_ctx = int(n_ctx)
         self.max_canvases = int(max_canvases)
+        self._sc_top_k = 0
         model._contexts.add(self)
 
     def _require(self) -> int:
@@ -473,6 +475,19 @@ class Context(_Closeable):
         if not ptr:
             raise EngineError(_error(err))
         return self._view(ptr, arr.size)
+
+    @property
+    def self_cond_top_k(self) -> int:
+        """Self-conditioning from each row's k most probable tokens, renormalised (0: all of them, exact; k at least
+        the vocabulary is the same). Set it before the steps it should apply to (docs/engine.md#self-conditioning)."""
+        return self._sc_top_k
+
+    @self_cond_top_k.setter
+    def self_cond_top_k(self, k: int) -> None:
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        if _engine().dg_context_set_self_cond_top_k(self._require(), int(k), err, _ERR_LEN) != 0:
+            raise EngineError(_error(err))
+        self._sc_top_k = int(k)
 
     @property
     def logits_on_device(self) -> bool:

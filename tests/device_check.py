@@ -42,6 +42,17 @@ def teacher_forced(model: Model, name: str) -> dict[str, list[np.ndarray]]:
     return out
 
 
+def top_k_step(model: Model, name: str, k: int = 32) -> np.ndarray:
+    """The first self-conditioned call of a golden run with self_cond_top_k k (the top-k gather of standard ops when
+    the output is off the CPU)."""
+    run = load_run(name, "g1_seed0")
+    with Context(model, n_ctx=len(run["seq"]) + model.hparams.canvas_length, threads=THREADS) as ctx:
+        ctx.self_cond_top_k = k
+        ctx.encode(run["prompt"])
+        ctx.set_self_cond_logits(run["raw"][0])
+        return np.array(ctx.step(run["canvas"][1], sc_temperature=float(run["T"][0])))
+
+
 def check(ggufs: dict[str, str], placement: dict, free_running: list, reference: dict | None) -> dict:
     result: dict = {"placement": placement, "fixtures": {}}
     for name, path in ggufs.items():
@@ -58,6 +69,7 @@ def check(ggufs: dict[str, str], placement: dict, free_running: list, reference:
                 fixture["max_vs_fast_path"] = max(
                     float(np.abs(got - ref).max())
                     for run_name, v in calls.items() for (got, _), ref in zip(v, reference[name][run_name]))
+                fixture["top_k_vs_fast_path"] = float(np.abs(top_k_step(model, name) - reference[name]["top_k"]).max())
             # sampling steps against the C sampler, candidates dropped on the device, and what a fast-mode step copies
             fixture["sampling"] = reduced_vs_host(model, SAMPLING_PROMPT)
             fixture["kept_candidate"] = [kept_candidate(model, SAMPLING_PROMPT, sampling) for sampling in (True, False)]
@@ -82,6 +94,7 @@ def fast_path_logits(ggufs: dict[str, str]) -> dict:
     for name, path in ggufs.items():
         with Model.load(path, threads=THREADS, num_gpu=0) as model:
             ref[name] = {k: [got for got, _ in v] for k, v in teacher_forced(model, name).items()}
+            ref[name]["top_k"] = top_k_step(model, name)
     return ref
 
 

@@ -137,6 +137,7 @@ def test_rpc_split_matches_transformers_and_generates_the_golden_sequences(gguf_
             where = f"{name} {result['placement']}: {fixture['describe']}"
             assert fixture["max_vs_transformers"] <= TOLERANCE, where
             assert fixture["max_vs_fast_path"] <= FAST_PATH_AGREEMENT, where
+            assert fixture["top_k_vs_fast_path"] <= FAST_PATH_AGREEMENT, where  # self_cond_top_k 32 on the device
             assert fixture["calls"] > 80, where
             for run, out in fixture["runs"].items():
                 meta, _, rec = golden(name, run)

@@ -151,6 +151,11 @@ DG_API int dg_context_set_self_cond(dg_context *c, const float *data, int rows, 
     return dg_set_self_cond(c, data, rows, err, err_len);
 }
 
+// Self-conditioning from each row's k most probable tokens, renormalised; 0 (the default): all of them, exact.
+DG_API int dg_context_set_self_cond_top_k(dg_context *c, int k, char *err, size_t err_len) {
+    return dg_set_self_cond_top_k(c, k, err, err_len);
+}
+
 // Logits of the last step (or set_self_cond), NULL if none.
 DG_API float *dg_context_logits(const dg_context *c) { return dg_last_logits(c); }
 

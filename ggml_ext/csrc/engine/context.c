@@ -13,6 +13,7 @@
 #include "gguf_names.h"
 
 size_t dg_graph_nodes(const dg_model *m) {
+    // 1024: embedding, self-conditioning (its top-k gather: up to 8 nodes per chunk), LM head, sampling reductions
     return 1024 + (size_t)m->hp.n_layer * (128 + 4 * (size_t)m->hp.n_expert_used) + (size_t)m->lora_graph_nodes;
 }
 

@@ -14,10 +14,47 @@
 
 #include "engine.h"
 
+// Tokens' rows of the embedding gathered per chunk: at most this many rows of H floats live at once, unless that
+// takes more than TOPK_CHUNKS chunks (their nodes count against the graph's size, dg_graph_nodes).
+#define TOPK_GATHER_ROWS 16384
+#define TOPK_CHUNKS 64
+
+// P·E from each row's k most probable tokens, renormalised, from standard ops (any backend): top_k, the rows'
+// probabilities and the embedding rows gathered (get_rows), one weighted sum per token as a matrix product batched
+// over the tokens, chunk by chunk over k. The embedding is the output's copy of a tied one when there is one.
+static struct ggml_tensor *soft_embedding_topk_graph(struct ggml_context *ctx, const dg_model *m,
+                                                     struct ggml_tensor *p, int k) {
+    const int64_t V = p->ne[0], H = m->hp.n_embd, n = p->ne[1];
+    struct ggml_tensor *embd = m->place.lm_head ? m->place.lm_head : m->tok_embd;
+    struct ggml_tensor *idx = ggml_top_k(ctx, p, k);                                            // [k, n] I32
+    struct ggml_tensor *top = ggml_reshape_2d(ctx, ggml_get_rows(ctx, ggml_reshape_3d(ctx, p, 1, V, n), idx), k, n);
+    struct ggml_tensor *w = ggml_div(ctx, top, ggml_sum_rows(ctx, top));                        // renormalised
+    int64_t kc_max = TOPK_GATHER_ROWS / n > 0 ? TOPK_GATHER_ROWS / n : 1;
+    if (kc_max * TOPK_CHUNKS < k) kc_max = (k + TOPK_CHUNKS - 1) / TOPK_CHUNKS;
+    struct ggml_tensor *sum = NULL;
+    for (int64_t j0 = 0; j0 < k; j0 += kc_max) {
+        const int64_t kc = k - j0 < kc_max ? k - j0 : kc_max;
+        struct ggml_tensor *ids = ggml_cont(ctx, ggml_view_2d(ctx, idx, kc, n, idx->nb[1], (size_t)j0 * idx->nb[0]));
+        struct ggml_tensor *rows = ggml_get_rows(ctx, embd, ggml_reshape_1d(ctx, ids, kc * n));  // [H, kc·n]
+        rows = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_3d(ctx, rows, H, kc, n), 1, 0, 2, 3));  // [kc, H, n]
+        struct ggml_tensor *wc = ggml_cont(ctx, ggml_view_3d(ctx, w, kc, 1, n, w->nb[1], w->nb[1],
+                                                             (size_t)j0 * w->nb[0]));             // [kc, 1, n]
+        struct ggml_tensor *part = ggml_mul_mat(ctx, rows, wc);                                 // [H, 1, n]
+        sum = sum ? ggml_add(ctx, sum, part) : part;
+    }
+    return ggml_reshape_2d(ctx, sum, H, n);
+}
+
 // P·E for probabilities p [V, n]: [H, n]. F32 files: slice by slice of the transposed copy (see
 // dg_make_transposed_embedding); one slice on the CPU is the F32 weight product (f32_matmul.c) over the V valid rows,
-// which needs no padding. Otherwise the soft-embedding op on the stored embedding, one slice per thread.
-static struct ggml_tensor *soft_embedding(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *p) {
+// which needs no padding. Otherwise the soft-embedding op on the stored embedding, one slice per thread. top_k in
+// [1, V): from each row's k most probable tokens (the CPU op on the stored embedding, else standard ops).
+static struct ggml_tensor *soft_embedding(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *p,
+                                          int top_k) {
+    if (top_k > 0 && top_k < m->hp.n_vocab) {
+        return !m->embd_t ? dg_build_soft_embedding_topk(ctx, m->tok_embd, p, top_k)
+                          : soft_embedding_topk_graph(ctx, m, p, top_k);
+    }
     if (!m->embd_t) return dg_build_soft_embedding(ctx, m->tok_embd, p, m->n_threads, dg_soft_embedding_isa());
     const int64_t V = m->hp.n_vocab, H = m->hp.n_embd, n = p->ne[1], KC = m->sc_chunk, NCH = m->sc_chunks;
     if (NCH == 1 && dg_unit_fast(m, m->hp.n_layer)) {
@@ -130,7 +167,7 @@ static bool build_step_graph(dg_context *c, dg_step_graph *g, int sc_mode, int o
             // softmax(prev · 1/T) in one op; 1/T changes every step, so dg_step rewrites the op's scale parameter
             p = g->sc_softmax = ggml_soft_max_ext(ctx, p, NULL, 1.0f, 0.0f);  // [V, n]
         }
-        struct ggml_tensor *soft = ggml_scale(ctx, soft_embedding(ctx, m, p), m->embd_scale);  // [H, n]
+        struct ggml_tensor *soft = ggml_scale(ctx, soft_embedding(ctx, m, p, c->sc_top_k), m->embd_scale);  // [H, n]
         struct ggml_tensor *u = dg_build_rmsw(ctx, m, soft, m->sc_pre_norm);
         e = ggml_add(ctx, e, dg_build_self_cond_mlp(ctx, m, u));
     }
@@ -449,7 +486,7 @@ int dg_run_soft_embedding(dg_context *c, const float *probs, int n, float *out, 
     struct ggml_cgraph *gf = ggml_new_graph_custom(gctx, dg_graph_nodes(m), false);
     struct ggml_tensor *p = ggml_new_tensor_2d(gctx, GGML_TYPE_F32, m->hp.n_vocab, n);
     ggml_set_input(p);
-    struct ggml_tensor *soft = soft_embedding(gctx, m, p);
+    struct ggml_tensor *soft = soft_embedding(gctx, m, p, c->sc_top_k);
     ggml_set_output(soft);
     ggml_build_forward_expand(gf, soft);
     bool ok = dg_place_graph(c, gctx, gf, NULL, 0, err, err_len);
@@ -460,4 +497,17 @@ int dg_run_soft_embedding(dg_context *c, const float *probs, int n, float *out, 
     }
     ggml_free(gctx);
     return ok ? 0 : -1;
+}
+
+// Self-conditioning from each row's k most probable tokens, renormalised (0, or k ≥ V: every token, exact).
+int dg_set_self_cond_top_k(dg_context *c, int k, char *err, size_t err_len) {
+    if (err && err_len) err[0] = 0;
+    if (k < 0 || k > DG_MAX_SC_TOP_K) {
+        dg_set_err(err, err_len, "self_cond_top_k must be between 0 and %d, got %d", DG_MAX_SC_TOP_K, k);
+        return -1;
+    }
+    if (k >= c->model->hp.n_vocab) k = 0;
+    if (k != c->sc_top_k) dg_free_step_graphs(c);  // the graphs hold the product
+    c->sc_top_k = k;
+    return 0;
 }

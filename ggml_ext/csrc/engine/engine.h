@@ -20,6 +20,7 @@
 #define DG_MAX_LAYERS 512
 #define DG_MAX_CANVAS 4096  // longer canvases cost minutes per step and gigabytes of activations
 #define DG_MAX_CANDIDATES 64  // canvases denoised together in one decoder step (num_canvases)
+#define DG_MAX_SC_TOP_K 4096  // self_cond_top_k: beyond this the dense product is as cheap (and exact)
 #define DG_MAX_DEVICES 17   // the CPU + up to 16 accelerators (ggml's RPC backend allows 16 servers)
 
 // Hyper-parameters as read from the GGUF (mirrored by ctypes in model.py: keep the field order).
@@ -171,6 +172,7 @@ typedef struct dg_context {
     int last_rows;
 
     bool holds_probs[2];           // that buffer holds a sampling step's tempered probabilities, not raw logits
+    int sc_top_k;                  // self-conditioning from each row's k most probable tokens (0: all, exact)
 
     // decoder graphs of the current geometry, [self-conditioning input][output buffer][sampling step]
     dg_step_graph steps[DG_SC_MODES][2][2];
@@ -252,6 +254,9 @@ struct ggml_tensor *dg_build_f32_matmul_isa(struct ggml_context *ctx, struct ggm
 struct ggml_tensor *dg_build_soft_embedding(struct ggml_context *ctx, struct ggml_tensor *embd, struct ggml_tensor *p,
                                             int slices, int isa);
 int dg_soft_embedding_isa(void);
+// the same from each token's k most probable rows, renormalised (self_cond_top_k; 1 ≤ k < V, k ≤ DG_MAX_SC_TOP_K): [H, n]
+struct ggml_tensor *dg_build_soft_embedding_topk(struct ggml_context *ctx, struct ggml_tensor *embd,
+                                                 struct ggml_tensor *p, int k);
 // its row dequantizer for `type` (NULL for F32: a copy); bit-identical to ggml's to_float
 ggml_to_float_t dg_row_dequantizer(enum ggml_type type, bool avx2);
 
@@ -334,6 +339,7 @@ int dg_step_reduced(dg_context *c, const int32_t *ids, int n, int n_canvases, in
                     char *err, size_t err_len);
 int dg_keep_canvases(dg_context *c, const uint8_t *keep, int n_canvases, char *err, size_t err_len);
 int dg_set_self_cond(dg_context *c, const float *data, int rows, char *err, size_t err_len);
+int dg_set_self_cond_top_k(dg_context *c, int k, char *err, size_t err_len);
 float *dg_last_logits(const dg_context *c);
 // out [n, H] = probs [n, V] · E through the step's soft-embedding graph (no embedding scale)
 int dg_run_soft_embedding(dg_context *c, const float *probs, int n, float *out, char *err, size_t err_len);
