@@ -1,8 +1,9 @@
 """ctypes binding of the C entropy-bound sampler (`csrc/sampler/`): one `Sampler` per generation.
 
 The C side does all per-token work (tempered softmax, entropy, argmax, categorical draw over the full vocabulary,
-entropy-bound acceptance, renoise, stability history, stop decision), multi-threaded over canvas rows. This module
-only checks shapes and moves small [C]-sized arrays.
+entropy-bound acceptance, renoise, stability history, stop decision), multi-threaded over canvas rows; or, when the
+engine reduced the logits on the device (`step_reduced`, fast mode), the per-row work is the engine's and the C side
+does the rest. This module only checks shapes and moves small [C]-sized arrays.
 """
 from __future__ import annotations
 
