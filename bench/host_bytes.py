@@ -8,8 +8,9 @@ Per file and mode, a child process loads the model (`num_gpu 0`, or every unit o
 `python -m dgemma_engine.rpc_server`) and generates one 256-token canvas after a --prompt-tokens prompt (fast RNG,
 early stop off) through `run_debug_generation`, its steps sampled by the C sampler (`host`) or in the graph (`device`,
 docs/engine.md#sampling-on-the-device; what a build picks by itself: `device` exactly when the logits live on a
-device). Modes alternate, --reps times. Reported: `host_bytes_per_step` (the engine's count, docs/engine.md#what-crosses)
-and the step times (decoder step and sampler; the first step of a canvas has no self-conditioning).
+device). Modes alternate, --reps times. Reported: `host_bytes_per_step` (the engine's count,
+docs/engine.md#what-crosses) and the step times (decoder step and sampler; the first step of a canvas has no
+self-conditioning).
 
 The server and the engine share this machine's cores, so the RPC figures measure the cost of the device boundary
 (transfers, graph serialisation, the server's own CPU kernels), not a speed-up.

@@ -28,8 +28,8 @@ def _bytes(n: int) -> str:
 
 def timing_block(final: dict[str, Any]) -> str:
     """Ollama's `--verbose` statistics from a final response object, zero-valued lines omitted; then dgemma's diffusion
-    lines: steps run, canvases, mean steps per canvas and the denoising rate (steps per second of eval time), the bytes a
-    step copied between the host and the devices (when any unit is off the CPU), and a task model's tries."""
+    lines: steps run, canvases, mean steps per canvas and the denoising rate (steps per second of eval time), the
+    bytes a step copied between the host and the devices (when any unit is off the CPU), and a task model's tries."""
     from dgemma_cli.wire import Metrics  # pydantic costs a CLI start ~0.1 s: loaded only when a block is printed
 
     m = Metrics.model_validate({key: value for key, value in final.items() if value is not None})

@@ -112,7 +112,8 @@ static void build_reductions(dg_context *c, dg_step_graph *g, struct ggml_tensor
     struct ggml_tensor *max_b = PIN(ggml_repeat_4d(ctx, ggml_reshape_2d(ctx, raw_max, 1, n), B, n, 1, 1));
     struct ggml_tensor *shifted = PIN(ggml_sub(ctx, raw, max_b));
     // one dot product per row: a matrix product batched over the rows, no [V, n] product tensor
-    g->shifted_sum = PIN(ggml_mul_mat(ctx, ggml_reshape_3d(ctx, p, V, 1, n), ggml_reshape_3d(ctx, shifted, V, 1, n)));
+    g->shifted_sum = PIN(ggml_mul_mat(ctx, ggml_reshape_3d(ctx, p, V, 1, n),
+                                      ggml_reshape_3d(ctx, shifted, V, 1, n)));
     // The draw is the first token whose cumulative probability exceeds u · total (the inverse CDF). Cumulative sums
     // per block, then over the blocks' totals (each block's last cumulative sum, so both levels agree): the block is
     // the count of block sums ≤ u · total, the token within it the count of prefix + cumulative sum ≤ u · total.
@@ -125,7 +126,8 @@ static void build_reductions(dg_context *c, dg_step_graph *g, struct ggml_tensor
     struct ggml_tensor *total = PIN(ggml_cont(ctx, ggml_view_2d(ctx, block_cdf, 1, n, block_cdf->nb[1],
                                                                 (size_t)(NB - 1) * sizeof(float))));
     struct ggml_tensor *target = PIN(ggml_mul(ctx, total, g->uniforms));  // [1, n]
-    struct ggml_tensor *blocks_over = PIN(ggml_sum_rows(ctx, PIN(ggml_step(ctx, PIN(ggml_sub(ctx, block_cdf, target))))));
+    struct ggml_tensor *blocks_over = PIN(ggml_sub(ctx, block_cdf, target));
+    blocks_over = PIN(ggml_sum_rows(ctx, PIN(ggml_step(ctx, blocks_over))));
     // block = NB − blocks over the target, kept in range (it is already, unless the logits hold a NaN)
     g->block = PIN(ggml_clamp(ctx, PIN(ggml_scale_bias(ctx, blocks_over, -1.0f, (float)NB)), 0.0f, (float)(NB - 1)));
     struct ggml_tensor *block_i = PIN(ggml_cast(ctx, g->block, GGML_TYPE_I32));  // [1, n]
@@ -265,8 +267,8 @@ static bool run_step(dg_context *c, const int32_t *ids, int n, int n_canvases, i
         return false;
     }
     if (rows_per > c->n_ctx - c->n_past || n > c->n_slots - c->n_past) {
-        dg_set_err(err, err_len, "a %d-token canvas does not fit after %d cached tokens (n_ctx %d)", rows_per, c->n_past,
-                   c->n_ctx);
+        dg_set_err(err, err_len, "a %d-token canvas does not fit after %d cached tokens (n_ctx %d)", rows_per,
+                   c->n_past, c->n_ctx);
         return false;
     }
     if (!dg_ids_ok(m, ids, n, err, err_len)) return false;
