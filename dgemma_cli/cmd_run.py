@@ -88,6 +88,8 @@ def run(
     confidence_threshold: Optional[float] = typer.Option(None, "--confidence-threshold", help="early-stop mean entropy"),
     stability_threshold: Optional[int] = typer.Option(None, "--stability-threshold", help="unchanged steps to stop"),
     num_canvases: Optional[int] = typer.Option(None, "--num-canvases", help="candidate canvases denoised together"),
+    self_cond_top_k: Optional[int] = typer.Option(None, "--self-cond-top-k",
+                                                  help="self-condition on the k most likely tokens (0: all)"),
     num_predict: Optional[int] = typer.Option(None, "--num-predict", help="token budget (whole canvases are denoised)"),
 ) -> None:
     """Run a model: one answer for a prompt (or piped stdin), else an interactive chat."""
@@ -97,7 +99,7 @@ def run(
     options |= options_from_fields({  # each sampler flag by its setting's field name
         "max_steps": steps, "t_max": t_max, "t_min": t_min, "entropy_bound": entropy_bound,
         "confidence_threshold": confidence_threshold, "stability_threshold": stability_threshold,
-        "num_canvases": num_canvases,
+        "num_canvases": num_canvases, "self_cond_top_k": self_cond_top_k,
     })
     settings = RunSettings(model=model, options=options, think=parse_think(think), hide_thinking=hidethinking,
                            keep_alive=keepalive, verbose=verbose, visual=visual, wordwrap=not nowordwrap,

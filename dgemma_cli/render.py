@@ -22,10 +22,14 @@ def _rate(count: int, duration_ns: int) -> str:
     return f"{count / (duration_ns / 1e9):.2f}"
 
 
+def _bytes(n: int) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB" if n >= 1e3 else f"{n} B"
+
+
 def timing_block(final: dict[str, Any]) -> str:
     """Ollama's `--verbose` statistics from a final response object, zero-valued lines omitted; then dgemma's diffusion
-    lines: steps run, canvases, mean steps per canvas and the denoising rate (steps per second of eval time), and a task
-    model's tries."""
+    lines: steps run, canvases, mean steps per canvas and the denoising rate (steps per second of eval time), the
+    bytes a step copied between the host and the devices (when any unit is off the CPU), and a task model's tries."""
     from dgemma_cli.wire import Metrics  # pydantic costs a CLI start ~0.1 s: loaded only when a block is printed
 
     m = Metrics.model_validate({key: value for key, value in final.items() if value is not None})
@@ -52,6 +56,8 @@ def timing_block(final: dict[str, Any]) -> str:
         lines.append(_line("steps per canvas", f"{m.denoise_steps / m.canvases:.2f}"))
     if m.denoise_steps and m.eval_duration:
         lines.append(_line("denoise rate", f"{_rate(m.denoise_steps, m.eval_duration)} steps/s"))
+    if m.host_bytes_per_step:
+        lines.append(_line("host bytes per step", _bytes(m.host_bytes_per_step)))
     if m.task_tries:
         lines.append(_line("task tries", str(m.task_tries)))
     return "\n".join(lines)

@@ -158,6 +158,8 @@ class Metrics(WireModel):
     denoise_steps: int = Field(default=0, description="diffusion: denoising steps run over all canvases")
     canvases: int = Field(default=0, description="diffusion: canvases committed")
     task_tries: int | None = omitted("task models: tries run up to the answer (the last one, or the first that passed)")
+    host_bytes_per_step: int | None = omitted("diffusion: mean bytes a denoising step copied between the host and "
+                                              "the devices (absent when every unit is on the CPU)")
 
 
 class Progress(WireModel):

@@ -1,7 +1,8 @@
 """`dgemma debug generate`: one generation from token ids, printed as JSON in transformers' terms.
 
 Output: {"sequence": [...prompt and generated ids...], "steps_per_canvas": [...], "timings": {"prefill_s": s,
-"steps_s": [... one per denoising step ...]}} (in-process timers: bench/ reads them). With --rng torch the sequence is
+"steps_s": [... one per denoising step ...], "host_bytes_per_step": n}} (in-process timers: bench/ reads them;
+host_bytes_per_step: the mean bytes a step copied between the host and the devices, docs/engine.md#what-crosses). With --rng torch the sequence is
 what `DiffusionGemmaForBlockDiffusion.generate(...).sequences[0]` returns for the same weights, prompt, seed and
 sampler settings: whole canvases, the first EOS kept and pad after it (when the GGUF defines a pad id).
 """
@@ -23,9 +24,11 @@ from dgemma_engine.settings import SettingError, check_values
 
 def run_debug_generation(model: Model, prompt_ids: Sequence[int], params: SamplerParams, max_new_tokens: int,
                          eos_ids: Sequence[int] | None = None, pad_id: int | None = -1,
-                         threads: int | None = None, timings: bool = False) -> dict[str, Any]:
+                         threads: int | None = None, timings: bool = False,
+                         sample_on_device: bool | None = None) -> dict[str, Any]:
     """Generate on a loaded model; returns {"sequence", "steps_per_canvas"} (and "timings" when asked). eos_ids None:
-    the GGUF's stop ids (eos_ids_from_metadata); pad_id -1: the GGUF's padding id (None: no padding after EOS)."""
+    the GGUF's stop ids (eos_ids_from_metadata); pad_id -1: the GGUF's padding id (None: no padding after EOS).
+    sample_on_device: as `generate` takes it (None: where the logits live decides)."""
     if not prompt_ids:
         raise EngineError("--prompt-ids must not be empty")
     C = model.hparams.canvas_length
@@ -38,9 +41,10 @@ def run_debug_generation(model: Model, prompt_ids: Sequence[int], params: Sample
     canvases: list[CanvasEvent] = []
     step_seconds: list[float] = []
     prefill_s = 0.0
+    host_bytes_per_step = 0.0
     with Context(model, n_ctx=n_ctx, threads=threads, max_canvases=params.num_canvases) as ctx:
         for event in generate(ctx, prompt_ids, params, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                              threads=threads):
+                              threads=threads, sample_on_device=sample_on_device):
             match event:
                 case CanvasEvent():
                     canvases.append(event)
@@ -48,12 +52,14 @@ def run_debug_generation(model: Model, prompt_ids: Sequence[int], params: Sample
                     step_seconds.append(event.seconds)
                 case DoneEvent():
                     prefill_s = event.stats.prompt_eval_s
+                    host_bytes_per_step = event.stats.host_bytes_per_step
     result: dict[str, Any] = {"sequence": torch_compatible_sequence(prompt_ids, canvases, pad_id),
                               "steps_per_canvas": [ev.steps for ev in canvases]}
     if params.num_canvases > 1:  # which candidate each committed canvas was (absent for one: a fixed interface)
         result["candidates"] = [ev.candidate for ev in canvases]
     if timings:
-        result["timings"] = {"prefill_s": prefill_s, "steps_s": step_seconds}
+        result["timings"] = {"prefill_s": prefill_s, "steps_s": step_seconds,
+                             "host_bytes_per_step": round(host_bytes_per_step)}
     return result
 
 

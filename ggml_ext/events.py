@@ -47,6 +47,7 @@ class GenerationStats:
     denoise_s: float           # end of prefill -> last commit (steps, sampling and commit passes)
     tokens_per_s: float        # committed_tokens / denoise_s
     seed: int = 0              # the seed actually used (drawn at random when SamplerParams.seed is None)
+    host_bytes_per_step: float = 0.0  # mean bytes a decoder step copied between host and devices (0: CPU only)
 
     @property
     def steps(self) -> int:

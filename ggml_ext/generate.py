@@ -84,11 +84,21 @@ class _Candidate:
     failed: bool = False               # finished and broke the checker's rules
 
 
+def _sample_on_device(ctx: Any, params: SamplerParams, constraint: Any, choice: bool | None) -> bool:
+    """Whether the steps reduce their logits in the graph (Context.step_reduced) instead of handing them to the C
+    sampler: fast RNG only (torch mode consumes the stream over every logit), never for structured output (it decodes
+    the last step's logits). None: when the logits live on a device, where copying them out costs more than the step
+    (docs/engine.md#sampling-on-the-device); on the CPU the C sampler is faster."""
+    if params.rng != "fast" or constraint is not None or not hasattr(ctx, "step_reduced"):
+        return False
+    return bool(ctx.logits_on_device) if choice is None else choice
+
+
 def _denoise(ctx: Any, candidates: list[_Candidate], b: int, params: SamplerParams, cancel: threading.Event | None,
-             checker: CanvasChecker | None, self_correct: bool, keep_logits: bool
+             checker: CanvasChecker | None, self_correct: bool, keep_logits: bool, on_device: bool = False
              ) -> Generator[StepEvent, None, tuple[_Candidate, Any] | None]:
     """Denoise one canvas position's candidates; yields a StepEvent per (batched) decoder step and returns the
-    chosen candidate with its last logits, or None when cancelled."""
+    chosen candidate with its last logits (None when the steps sample on the device), or None when cancelled."""
     C = candidates[0].canvas.shape[0]
     active = list(candidates)
     finished: list[_Candidate] = []
@@ -98,13 +108,22 @@ def _denoise(ctx: Any, candidates: list[_Candidate], b: int, params: SamplerPara
             return None
         step_start = time.perf_counter()
         batch = active[0].canvas if len(active) == 1 else np.stack([c.canvas for c in active])
-        logits = ctx.step(batch, sc_temperature=prev_temperature)
-        if len(active) == 1:
-            active[0].result = active[0].sampler.step(logits)
-        else:  # each sampler reads its candidate's rows in place
-            address, canvas_bytes = ctx.logits_address(), 4 * C * logits.shape[1]
+        if on_device:
+            inputs = [c.sampler.draw_inputs() for c in active]  # every candidate is at the same step: one T
+            red = ctx.step_reduced(batch, inputs[0][1], np.concatenate([u for u, _ in inputs]),
+                                   sc_temperature=prev_temperature)
+            logits = None
             for i, cand in enumerate(active):
-                cand.result = cand.sampler.step(address + i * canvas_bytes)
+                rows = slice(i * C, (i + 1) * C)
+                cand.result = cand.sampler.step_reduced(red.argmax[rows], red.entropy[rows], red.draw[rows])
+        else:
+            logits = ctx.step(batch, sc_temperature=prev_temperature)
+            if len(active) == 1:
+                active[0].result = active[0].sampler.step(logits)
+            else:  # each sampler reads its candidate's rows in place
+                address, canvas_bytes = ctx.logits_address(), 4 * C * logits.shape[1]
+                for i, cand in enumerate(active):
+                    cand.result = cand.sampler.step(address + i * canvas_bytes)
         lead = min(active, key=lambda c: c.result.mean_entropy) if len(active) > 1 else active[0]
         r = lead.result
         yield StepEvent(b, r.step, params.max_steps, r.argmax.tolist(), r.mean_entropy, r.n_accepted,
@@ -118,8 +137,7 @@ def _denoise(ctx: Any, candidates: list[_Candidate], b: int, params: SamplerPara
                 continue
             bad = checker.violations(r.argmax.tolist()) if checker is not None else []
             if checker is not None and not bad:
-                rows = logits[i * C:(i + 1) * C]
-                return cand, rows
+                return cand, None if logits is None else logits[i * C:(i + 1) * C]
             if bad and self_correct:
                 reset = np.zeros(C, bool)
                 reset[bad] = True
@@ -146,14 +164,15 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
              eos_ids: Sequence[int] | None = RELEASED_EOS_IDS, tokenizer: Any = None,
              cancel: threading.Event | None = None, threads: int | None = None,
              constraint: CanvasConstraint | None = None, checker: CanvasChecker | None = None,
-             self_correct: bool = True) -> Iterator[Event]:
+             self_correct: bool = True, sample_on_device: bool | None = None) -> Iterator[Event]:
     """Generate after `prompt_ids` (appended to whatever `ctx` has cached). Yields StepEvent per step, CanvasEvent
     per committed canvas and one final DoneEvent. The token budget is in whole canvases: ceil(max_new_tokens / C).
     `cancel` is checked between steps. Raises EngineError on unusable input (nothing to condition on, a prompt that
     leaves no room for a diffusion canvas). With a `constraint` (structured output), each committed canvas is its
     constrained MAP decode of the last step's logits instead of the argmax canvas (docs/generation.md, "Structured
     output"). `checker`: the task's rules (dgemma_engine.tasks), used to choose among candidates and, with
-    `self_correct`, to renoise positions that break them."""
+    `self_correct`, to renoise positions that break them. `sample_on_device`: reduce each step's logits in the graph
+    (True), hand them to the C sampler (False), or choose by where they live (None; see _sample_on_device)."""
     params = params or SamplerParams()
     model = ctx.model
     C = int(model.hparams.canvas_length)
@@ -175,6 +194,9 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
     eos = frozenset(int(t) for t in (eos_ids or ()))
     n_canvases = math.ceil(max_new_tokens / C)
     decoder = tokenizer.stream_decoder() if tokenizer is not None else None
+    on_device = _sample_on_device(ctx, params, constraint, sample_on_device)
+    if hasattr(ctx, "self_cond_top_k"):
+        ctx.self_cond_top_k = int(params.self_cond_top_k)
 
     samplers = [Sampler(C, V, max_steps=params.max_steps, t_min=params.t_min, t_max=params.t_max,
                         entropy_bound=params.entropy_bound, confidence_threshold=params.confidence_threshold,
@@ -190,15 +212,19 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
         stats = GenerationStats(prompt_tokens=len(prompt), prompt_eval_s=denoise_start - start, canvases=0,
                                 steps_per_canvas=[], committed_tokens=0, denoise_s=0.0, tokens_per_s=0.0, seed=seed)
 
+        transfers = getattr(ctx, "transfers", None)  # engine contexts count what their steps copy
+        transfers_before = transfers() if transfers else None
+
         def finish(reason: str) -> DoneEvent:
             elapsed = time.perf_counter() - denoise_start
             rate = stats.committed_tokens / elapsed if elapsed > 0 else 0.0
-            return DoneEvent(reason, replace(stats, denoise_s=elapsed, tokens_per_s=rate))
+            per_step = (transfers() - transfers_before).bytes_per_step if transfers else 0.0
+            return DoneEvent(reason, replace(stats, denoise_s=elapsed, tokens_per_s=rate, host_bytes_per_step=per_step))
 
         for b in range(n_canvases):
             candidates = [_Candidate(k, s, s.begin_canvas()) for k, s in enumerate(samplers)]
             chosen = yield from _denoise(ctx, candidates, b, params, cancel, checker, self_correct,
-                                         keep_logits=constraint is not None)
+                                         keep_logits=constraint is not None, on_device=on_device)
             if chosen is None:
                 yield finish("cancelled")
                 return

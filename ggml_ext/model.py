@@ -114,10 +114,15 @@ def _engine() -> ctypes.CDLL:
         "dg_context_encode": (I, [P, P, I, C, S]),
         "dg_context_step_canvases": (P, [P, P, I, I, I, F, C, S]),
         "dg_context_step_profiled": (P, [P, P, I, I, F, P, C, S]),
+        "dg_context_step_reduced": (I, [P, P, I, I, I, F, F, P, P, P, P, C, S]),
+        "dg_context_logits_on_host": (I, [P]),
+        "dg_context_set_self_cond_top_k": (I, [P, I, C, S]),
         "dg_context_keep_canvases": (I, [P, P, I, C, S]),
         "dg_context_set_self_cond": (I, [P, P, I, C, S]),
         "dg_context_logits": (P, [P]),
         "dg_context_logits_rows": (I, [P]),
+        "dg_context_transfers": (None, [P, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                                        ctypes.POINTER(ctypes.c_int64)]),
         "dg_context_soft_embedding": (I, [P, P, I, P, C, S]),
         # devices.c: per-layer placement (the registry and RPC servers: dgemma_engine.devices)
         "dg_model_offload": (I, [P, I, I, C, S]),
@@ -354,6 +359,32 @@ class Model(_Closeable):
 
 
 
+@dataclass(frozen=True)
+class Reductions:
+    """What a sampling step (Context.step_reduced) returns per canvas row."""
+
+    argmax: np.ndarray   # int32
+    entropy: np.ndarray  # float32, nats, of the tempered distribution
+    draw: np.ndarray     # int32: the inverse-CDF draw at the row's uniform
+
+
+@dataclass(frozen=True)
+class Transfers:
+    """What a context's decoder steps copied between the host and the devices (Context.transfers)."""
+
+    to_device: int     # bytes written to device memory (device to device included)
+    from_device: int   # bytes read back to host memory
+    steps: int         # decoder steps counted
+
+    def __sub__(self, other: Transfers) -> Transfers:
+        return Transfers(self.to_device - other.to_device, self.from_device - other.from_device,
+                         self.steps - other.steps)
+
+    @property
+    def bytes_per_step(self) -> float:
+        return (self.to_device + self.from_device) / self.steps if self.steps else 0.0
+
+
 def _load_adapters(handle: int, files: Sequence[tuple[Path, float, str]]) -> None:
     """Fold the GGUF LoRA files (path, scale, name for errors) into the model before its weights are placed."""
     lib = _engine()
@@ -392,6 +423,7 @@ class Context(_Closeable):
             raise EngineError(f"cannot create a context: {_error(err)}")
         self.n_ctx = int(n_ctx)
         self.max_canvases = int(max_canvases)
+        self._sc_top_k = 0
         model._contexts.add(self)
 
     def _require(self) -> int:
@@ -443,6 +475,53 @@ class Context(_Closeable):
             raise EngineError(_error(err))
         return self._view(ptr, arr.size)
 
+    @property
+    def self_cond_top_k(self) -> int:
+        """Self-conditioning from each row's k most probable tokens, renormalised (0: all of them, exact; k at least
+        the vocabulary is the same). Set it before the steps it should apply to (docs/engine.md#self-conditioning)."""
+        return self._sc_top_k
+
+    @self_cond_top_k.setter
+    def self_cond_top_k(self, k: int) -> None:
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        if _engine().dg_context_set_self_cond_top_k(self._require(), int(k), err, _ERR_LEN) != 0:
+            raise EngineError(_error(err))
+        self._sc_top_k = int(k)
+
+    @property
+    def logits_on_device(self) -> bool:
+        """The logits buffers live on the output's device (not in host memory): a plain step copies its logits to
+        the host, a sampling step (`step_reduced`) does not."""
+        return not _engine().dg_context_logits_on_host(self._require())
+
+    def step_reduced(self, canvas_ids, temperature: float, uniforms, sc_temperature: float | None = None
+                     ) -> Reductions:
+        """A sampling step (fast RNG mode, docs/engine.md#sampling-on-the-device): the decoder step, then per canvas
+        row in the graph, on the output's device: the tempered probabilities softmax(logits / temperature), kept
+        there as the next step's self-conditioning input, the argmax, the entropy and the inverse-CDF draw at
+        `uniforms` (one in [0, 1) per row). Only those three numbers per row come back; the logits are not kept
+        (`logits()` has none after it). `canvas_ids` and `sc_temperature` as in `step` (the latter only matters after
+        a plain step; after a sampling step the probabilities are read as they are)."""
+        candidates = np.asarray(canvas_ids)
+        n_canvases = candidates.shape[0] if candidates.ndim == 2 else 1
+        arr = _token_array(candidates.reshape(-1), self._n_vocab, "canvas ids")
+        u = np.ascontiguousarray(uniforms, dtype=np.float32)
+        if u.shape != (arr.size,):
+            raise EngineError(f"a sampling step needs one uniform per canvas row ({arr.size}), got {u.shape}")
+        t = float(temperature)
+        if not (np.isfinite(t) and t > 0):
+            raise EngineError(f"temperature must be positive and finite, got {temperature}")
+        sc_inv = 0.0 if sc_temperature is None else 1.0 / float(sc_temperature)
+        out = Reductions(np.zeros(arr.size, np.int32), np.zeros(arr.size, np.float32), np.zeros(arr.size, np.int32))
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        rc = _engine().dg_context_step_reduced(self._require(), arr.ctypes.data, arr.size, n_canvases,
+                                               int(sc_temperature is not None), sc_inv, 1.0 / t, u.ctypes.data,
+                                               out.argmax.ctypes.data, out.entropy.ctypes.data, out.draw.ctypes.data,
+                                               err, _ERR_LEN)
+        if rc != 0:
+            raise EngineError(_error(err))
+        return out
+
     def step_profiled(self, canvas_ids, sc_temperature: float | None = None) -> dict[str, float]:
         """`step` on one canvas, computed node by node: seconds spent per class of node (PROFILE_CLASSES). Slower
         than `step` by the per-node synchronisation; for benchmarks."""
@@ -487,13 +566,21 @@ class Context(_Closeable):
         """Address of the float32 [rows, n_vocab] logits of the last step (for the C sampler, zero copy)."""
         ptr = _engine().dg_context_logits(self._require())
         if not ptr:
-            raise EngineError("no logits yet: run a step first")
+            raise EngineError("no logits: no step has run, or the last one sampled on the device and kept none")
         return ptr
 
     def logits(self) -> np.ndarray:
         """Read-only view of the last step's logits."""
         ptr = self.logits_address()
         return self._view(ptr, _engine().dg_context_logits_rows(self._handle))
+
+    def transfers(self) -> Transfers:
+        """Bytes the decoder steps of this context copied between the host and the devices so far, and the steps
+        counted (docs/engine.md#what-crosses). All zero when every unit is on the CPU."""
+        to_dev, from_dev, steps = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int64()
+        _engine().dg_context_transfers(self._require(), ctypes.byref(to_dev), ctypes.byref(from_dev),
+                                       ctypes.byref(steps))
+        return Transfers(to_dev.value, from_dev.value, steps.value)
 
     def _soft_embedding(self, probs: np.ndarray) -> np.ndarray:
         """probs [n, n_vocab] · token embedding through the engine's self-conditioning graph (tests only)."""

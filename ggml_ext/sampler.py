@@ -1,8 +1,9 @@
 """ctypes binding of the C entropy-bound sampler (`csrc/sampler/`): one `Sampler` per generation.
 
 The C side does all per-token work (tempered softmax, entropy, argmax, categorical draw over the full vocabulary,
-entropy-bound acceptance, renoise, stability history, stop decision), multi-threaded over canvas rows. This module
-only checks shapes and moves small [C]-sized arrays.
+entropy-bound acceptance, renoise, stability history, stop decision), multi-threaded over canvas rows; or, when the
+engine reduced the logits on the device (`step_reduced`, fast mode), the per-row work is the engine's and the C side
+does the rest. This module only checks shapes and moves small [C]-sized arrays.
 """
 from __future__ import annotations
 
@@ -61,6 +62,10 @@ def _native() -> ctypes.CDLL:
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_StepInfo),
         ]
+        lib.dg_sampler_draw_inputs.restype = ctypes.c_int32
+        lib.dg_sampler_draw_inputs.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float)]
+        lib.dg_sampler_step_reduced.restype = ctypes.c_int32
+        lib.dg_sampler_step_reduced.argtypes = [ctypes.c_void_p] + [ctypes.c_void_p] * 8 + [ctypes.POINTER(_StepInfo)]
         lib.dg_sampler_reopen.restype = ctypes.c_int32
         lib.dg_sampler_reopen.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         lib.dg_sampler_temperature.restype = ctypes.c_float
@@ -157,6 +162,40 @@ class Sampler:
                                        self._accepted.ctypes.data, ctypes.byref(info))
         if rc != 0:
             raise EngineError("sampler step without an active canvas (call begin_canvas first)")
+        return self._result(info)
+
+    def draw_inputs(self) -> tuple[np.ndarray, float]:
+        """Fast mode: what the next step's draw needs when the logits are reduced elsewhere (the engine's sampling
+        step, `Context.step_reduced`): one uniform per row (float32, below 1) and the step's temperature."""
+        self._check_open()
+        uniforms = np.zeros(self.canvas_length, np.float32)
+        temperature = ctypes.c_float()
+        if self._lib.dg_sampler_draw_inputs(self._handle, uniforms.ctypes.data, ctypes.byref(temperature)) != 0:
+            raise EngineError("draw inputs need fast RNG mode and an active canvas")
+        return uniforms, float(temperature.value)
+
+    def step_reduced(self, argmax, entropy, draw) -> StepResult:
+        """One step from per-row reductions made elsewhere: each row's argmax, entropy (nats) and draw at the
+        uniforms of `draw_inputs`; acceptance, renoise, history and the stop decision as `step`."""
+        self._check_open()
+        C = self.canvas_length
+        rows = [np.ascontiguousarray(a, dtype=t) for a, t in ((argmax, np.int32), (entropy, np.float32),
+                                                               (draw, np.int32))]
+        if any(r.shape != (C,) for r in rows):
+            raise EngineError(f"reductions must have {C} rows")
+        info = _StepInfo()
+        rc = self._lib.dg_sampler_step_reduced(self._handle, rows[0].ctypes.data, rows[1].ctypes.data,
+                                               rows[2].ctypes.data, self._canvas.ctypes.data,
+                                               self._argmax.ctypes.data, self._sampled.ctypes.data,
+                                               self._entropy.ctypes.data, self._accepted.ctypes.data,
+                                               ctypes.byref(info))
+        if rc == -2:
+            raise EngineError("a reduced row names a token outside the vocabulary")
+        if rc != 0:
+            raise EngineError("sampler step without an active canvas (call begin_canvas first)")
+        return self._result(info)
+
+    def _result(self, info: _StepInfo) -> StepResult:
         return StepResult(
             canvas=self._canvas.copy(), argmax=self._argmax.copy(), sampled=self._sampled.copy(),
             entropy=self._entropy.copy(),

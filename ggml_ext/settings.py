@@ -78,6 +78,10 @@ SAMPLER_SETTINGS: tuple[SamplerSetting, ...] = (
     SamplerSetting("num_canvases", "num_canvases", None, None, int, 1,
                    "candidate canvases", "Candidate canvases denoised together; the best one is kept",
                    Limits(1, high=MAX_CANVASES)),
+    # the engine's, not the sampler's: the self-conditioning input from each row's k most probable tokens (renormalised)
+    # instead of all V; 0 keeps the exact dense product (docs/engine.md#self-conditioning)
+    SamplerSetting("self_cond_top_k", "self_cond_top_k", None, None, int, 0, "self-cond top-k",
+                   "Self-condition on each position's k most likely tokens (0: all, exact)", Limits(0, high=4096)),
     # read by the server's task layer, not the sampler: a model whose GGUF names a task (dgemma_engine.tasks) gets up
     # to this many tries, each under a new symmetry of its input, until an answer passes the task's rules
     SamplerSetting("task_tries", "task_tries", None, None, int, 1, "task tries",
@@ -197,6 +201,7 @@ class SamplerParams:
     confidence_threshold: float = _RELEASED["confidence_threshold"]
     stability_threshold: int = _RELEASED["stability_threshold"]
     num_canvases: int = _RELEASED["num_canvases"]
+    self_cond_top_k: int = _RELEASED["self_cond_top_k"]
     task_tries: int = _RELEASED["task_tries"]
     seed: int | None = None
     rng: str = "fast"          # "fast" (counter-based, parallel) or "torch" (transformers' CPU stream, bit for bit)

@@ -5,7 +5,8 @@ load, so every placement that uses an RPC device is checked here, in a subproces
 {"ggufs": {"tiny-a": path, ...}, "placements": [{"num_gpu": n | null, "num_cpu_moe": k}, ...],
  "free_running": [[fixture, run], ...]}; DGEMMA_RPC names the servers. Output (stdout, one JSON line): per placement,
 the placement's description, the max |Δlogits| against transformers over every golden decoder call, the max against
-the CPU fast path, and each free-running run's sequence and steps per canvas (`debug generate --rng torch`).
+the CPU fast path, and each free-running run's sequence and steps per canvas (`debug generate --rng torch`); sampling
+steps against the C sampler (tests/sampling_check.py) and the bytes a fast-mode step copies between host and devices.
 """
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+from sampling_check import kept_candidate, reduced_vs_host  # noqa: E402
 from test_engine import golden_index, load_run, replay  # noqa: E402
 from test_generate_free_running import golden, params_for  # noqa: E402
 
 from dgemma_engine.debug_generate import run_debug_generation  # noqa: E402
+from dgemma_engine.generate import SamplerParams  # noqa: E402
 from dgemma_engine.model import Context, Model  # noqa: E402
 
 THREADS = 1
+SAMPLING_PROMPT = list(range(2, 30))
 
 
 def teacher_forced(model: Model, name: str) -> dict[str, list[np.ndarray]]:
@@ -36,6 +40,17 @@ def teacher_forced(model: Model, name: str) -> dict[str, list[np.ndarray]]:
         with Context(model, n_ctx=len(run["seq"]) + model.hparams.canvas_length, threads=THREADS) as ctx:
             out[run_name] = [(logits.copy(), want) for _, logits, want in replay(ctx, run)]
     return out
+
+
+def top_k_step(model: Model, name: str, k: int = 32) -> np.ndarray:
+    """The first self-conditioned call of a golden run with self_cond_top_k k (the top-k gather of standard ops when
+    the output is off the CPU)."""
+    run = load_run(name, "g1_seed0")
+    with Context(model, n_ctx=len(run["seq"]) + model.hparams.canvas_length, threads=THREADS) as ctx:
+        ctx.self_cond_top_k = k
+        ctx.encode(run["prompt"])
+        ctx.set_self_cond_logits(run["raw"][0])
+        return np.array(ctx.step(run["canvas"][1], sc_temperature=float(run["T"][0])))
 
 
 def check(ggufs: dict[str, str], placement: dict, free_running: list, reference: dict | None) -> dict:
@@ -54,6 +69,15 @@ def check(ggufs: dict[str, str], placement: dict, free_running: list, reference:
                 fixture["max_vs_fast_path"] = max(
                     float(np.abs(got - ref).max())
                     for run_name, v in calls.items() for (got, _), ref in zip(v, reference[name][run_name]))
+                fixture["top_k_vs_fast_path"] = float(np.abs(top_k_step(model, name) - reference[name]["top_k"]).max())
+            # sampling steps against the C sampler, candidates dropped on the device, and what a fast-mode step copies
+            fixture["sampling"] = reduced_vs_host(model, SAMPLING_PROMPT)
+            fixture["kept_candidate"] = [kept_candidate(model, SAMPLING_PROMPT, sampling) for sampling in (True, False)]
+            fast = SamplerParams(max_steps=4, seed=2, rng="fast")
+            timings = run_debug_generation(model, SAMPLING_PROMPT, fast, model.hparams.canvas_length, eos_ids=(),
+                                           threads=THREADS, timings=True)["timings"]
+            fixture["fast_host_bytes_per_step"] = timings["host_bytes_per_step"]
+            fixture["n_vocab"] = model.hparams.n_vocab
             for fixture_name, run in free_running:
                 if fixture_name != name:
                     continue
@@ -70,6 +94,7 @@ def fast_path_logits(ggufs: dict[str, str]) -> dict:
     for name, path in ggufs.items():
         with Model.load(path, threads=THREADS, num_gpu=0) as model:
             ref[name] = {k: [got for got, _ in v] for k, v in teacher_forced(model, name).items()}
+            ref[name]["top_k"] = top_k_step(model, name)
     return ref
 
 

@@ -5,7 +5,7 @@
   free-running `--rng torch` generations token-exact.
 - A real second device: a ggml RPC server on loopback (`python -m dgemma_engine.rpc_server`) holding part or all of the
   layers, so weights, K/V cache, logits and activations cross a device boundary: num_gpu 0 / partial / all, experts on
-  the CPU. Those placements run in subprocesses (tests/device_check.py): ggml's device registry only grows within a
+  the CPU; in each, sampling steps against the C sampler, and what a fast-mode step copies between host and device. Those placements run in subprocesses (tests/device_check.py): ggml's device registry only grows within a
   process, and a vanished RPC server would abort a later load in this one.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dgemma_engine import devices
 from dgemma_engine.errors import EngineError
 from dgemma_engine.model import Model, Placement
 from test_engine import FIXTURE_NAMES, TOLERANCE, golden_index, load_run
+from test_engine_sampling import assert_agreement
 from test_generate_free_running import debug_generate_cmd, golden, params_for
 
 from dgemma_cli.cmd_run import ps_table
@@ -136,10 +137,22 @@ def test_rpc_split_matches_transformers_and_generates_the_golden_sequences(gguf_
             where = f"{name} {result['placement']}: {fixture['describe']}"
             assert fixture["max_vs_transformers"] <= TOLERANCE, where
             assert fixture["max_vs_fast_path"] <= FAST_PATH_AGREEMENT, where
+            assert fixture["top_k_vs_fast_path"] <= FAST_PATH_AGREEMENT, where  # self_cond_top_k 32 on the device
             assert fixture["calls"] > 80, where
             for run, out in fixture["runs"].items():
                 meta, _, rec = golden(name, run)
                 assert out == {"sequence": rec["seq"].tolist(), "steps_per_canvas": meta["steps_per_canvas"]}, where
+            assert_agreement(fixture["sampling"], where)
+            assert max(fixture["kept_candidate"]) <= TOLERANCE, where  # batched against alone, as test_candidates
+            if result["placement"] == {"num_gpu": None}:
+                # every unit on the device: per step the ids, positions, uniforms, two mask rows and five reductions
+                # per row cross (and the RoPE factors, a weight on the CPU), never a [canvas, vocabulary] tensor
+                C = 16
+                assert fixture["fast_host_bytes_per_step"] <= 32 * C + 4 * 2 * 64 + 4 * 256, where
+                # 4 sampling steps: five numbers per row each; then one plain step: its logits
+                assert fixture["sampling"]["transfers"]["from_device"] == 4 * 5 * 4 * C + 4 * C * fixture["n_vocab"]
+            elif result["placement"] == {"num_gpu": 0}:
+                assert fixture["fast_host_bytes_per_step"] == 0, where
             offloaded[name, json.dumps(result["placement"])] = fixture["describe"]
     # the placements are what they claim (tiny-a: 4 layers, tiny-b: 6)
     assert offloaded["tiny-a", '{"num_gpu": 0}'] == "CPU: layers 0-3, output"

@@ -113,8 +113,10 @@ def test_cli_prints_the_golden_sequence(gguf_path) -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     timings = out.pop("timings")
     assert out == {"sequence": rec["seq"].tolist(), "steps_per_canvas": meta["steps_per_canvas"]}
-    # the in-process timers bench/ reads: the prefill, then one duration per denoising step
-    assert set(timings) == {"prefill_s", "steps_s"} and timings["prefill_s"] > 0
+    # the in-process timers bench/ reads: the prefill, then one duration per denoising step; and what a step copied
+    # between host and devices (nothing here: CPU only)
+    assert set(timings) == {"prefill_s", "steps_s", "host_bytes_per_step"} and timings["prefill_s"] > 0
+    assert timings["host_bytes_per_step"] == 0
     assert len(timings["steps_s"]) == sum(meta["steps_per_canvas"]) and all(t > 0 for t in timings["steps_s"])
 
 

@@ -34,6 +34,13 @@ def test_timing_block_omits_zero_values():
     assert lines == ["total duration:       950µs"]
 
 
+def test_timing_block_shows_what_a_step_copied_off_the_cpu():
+    block = timing_block({"eval_duration": 10**9, "denoise_steps": 4, "host_bytes_per_step": 9216})
+    assert block.splitlines()[-1] == "host bytes per step:  9.2 kB"
+    assert timing_block({"host_bytes_per_step": 268438528}) == "host bytes per step:  268.44 MB"
+    assert "host bytes" not in timing_block({"denoise_steps": 4})  # every unit on the CPU: the server sends none
+
+
 def wrap(text: str, width: int, pieces: int = 3) -> str:
     wrapper = WordWrapper(width)
     step = max(1, len(text) // pieces)

@@ -34,9 +34,9 @@ def test_every_row_is_a_sampler_params_field_with_the_rows_default():
     by_name = {f.name: f for f in fields(SamplerParams)}
     for s in settings.SAMPLER_SETTINGS:
         assert by_name[s.field].default == s.default and isinstance(s.default, s.type), s.field
-        # the entropy-bound sampler's own settings; num_canvases (the seeds' option name) and task_tries (the server's
-        # task layer) are in no file format
-        if s.field in ("num_canvases", "task_tries"):
+        # the entropy-bound sampler's own settings; num_canvases (the seeds' option name), self_cond_top_k (the
+        # engine's) and task_tries (the server's task layer) are in no file format
+        if s.field in ("num_canvases", "self_cond_top_k", "task_tries"):
             assert s.gguf_key is None and s.hf_key is None and s not in settings.FILE_SETTINGS
         else:
             assert s.option.startswith("diffusion_") and s.gguf_key.startswith("diffusion.eb_"), s.field
@@ -45,7 +45,8 @@ def test_every_row_is_a_sampler_params_field_with_the_rows_default():
 
 def test_released_defaults_and_gguf_defaults():
     assert RELEASED == {"max_steps": 48, "t_max": 0.8, "t_min": 0.4, "entropy_bound": 0.1,
-                        "confidence_threshold": 0.005, "stability_threshold": 1, "num_canvases": 1, "task_tries": 1}
+                        "confidence_threshold": 0.005, "stability_threshold": 1, "num_canvases": 1,
+                        "self_cond_top_k": 0, "task_tries": 1}
     got = settings.defaults_from_metadata({"diffusion.eb_max_steps": 12.0, "diffusion.eb_t_min": True,
                                            "diffusion.eb_t_max": "hot"})
     assert got == {**RELEASED, "max_steps": 12}  # a bool or a string is no number: the released value stays

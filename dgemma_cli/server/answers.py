@@ -273,5 +273,6 @@ def run_generation(
         eval_duration=_ns(eval_s),
         denoise_steps=steps,
         canvases=canvases,
+        host_bytes_per_step=round(getattr(stats, "host_bytes_per_step", 0.0)) or None,
     )
     yield Final(done_reason=reason, metrics=metrics, context=plan.prompt_ids + answer_ids)

@@ -120,6 +120,19 @@ DG_API float *dg_context_step_canvases(dg_context *c, const int32_t *ids, int n,
     return dg_step(c, ids, n, n_canvases, use_self_cond, inv_temp, NULL, err, err_len);
 }
 
+// A sampling step (fast RNG mode; docs/engine.md#sampling-on-the-device): the logits stay on the output's device as
+// the tempered probabilities softmax(logits · inv_temp), which the next self-conditioned step reads; per row only
+// the argmax, the entropy (nats) and the inverse-CDF draw at uniforms[i] ∈ [0, 1) come back. 0, or -1 with err set.
+DG_API int dg_context_step_reduced(dg_context *c, const int32_t *ids, int n, int n_canvases, int use_self_cond,
+                                   float sc_inv_temp, float inv_temp, const float *uniforms, int32_t *argmax,
+                                   float *entropy, int32_t *draw, char *err, size_t err_len) {
+    return dg_step_reduced(c, ids, n, n_canvases, use_self_cond, sc_inv_temp, inv_temp, uniforms, argmax, entropy,
+                           draw, err, err_len);
+}
+
+// Whether the logits buffers live in host memory (the CPU), else on the output's device.
+DG_API int dg_context_logits_on_host(const dg_context *c) { return ggml_backend_buffer_is_host(c->logits[0]->buffer); }
+
 // The same step on one canvas, timed node by node: seconds[class] += each node's time (DG_PROFILE_COUNT entries).
 DG_API float *dg_context_step_profiled(dg_context *c, const int32_t *ids, int n, int use_self_cond, float inv_temp,
                                        double *seconds, char *err, size_t err_len) {
@@ -138,10 +151,23 @@ DG_API int dg_context_set_self_cond(dg_context *c, const float *data, int rows, 
     return dg_set_self_cond(c, data, rows, err, err_len);
 }
 
+// Self-conditioning from each row's k most probable tokens, renormalised; 0 (the default): all of them, exact.
+DG_API int dg_context_set_self_cond_top_k(dg_context *c, int k, char *err, size_t err_len) {
+    return dg_set_self_cond_top_k(c, k, err, err_len);
+}
+
 // Logits of the last step (or set_self_cond), NULL if none.
 DG_API float *dg_context_logits(const dg_context *c) { return dg_last_logits(c); }
 
 DG_API int dg_context_logits_rows(const dg_context *c) { return c->last < 0 ? 0 : c->last_rows; }
+
+// Bytes decoder steps copied between the host and the devices since the context was made, and the steps counted
+// (docs/engine.md#what-crosses).
+DG_API void dg_context_transfers(const dg_context *c, uint64_t *to_device, uint64_t *from_device, int64_t *steps) {
+    *to_device = c->xfer_to_device;
+    *from_device = c->xfer_from_device;
+    *steps = c->xfer_steps;
+}
 
 // out [n, H] = probs [n, V] · E through the step's sliced soft-embedding graph (no embedding scale): the soft
 // embedding a step computes, for tests/test_engine_selfcond.py.

@@ -13,6 +13,7 @@
 #include "gguf_names.h"
 
 size_t dg_graph_nodes(const dg_model *m) {
+    // 1024: embedding, self-conditioning (its top-k gather: up to 8 nodes per chunk), LM head, sampling reductions
     return 1024 + (size_t)m->hp.n_layer * (128 + 4 * (size_t)m->hp.n_expert_used) + (size_t)m->lora_graph_nodes;
 }
 
@@ -24,8 +25,10 @@ struct ggml_context *dg_new_graph_ctx(const dg_model *m) {
 
 // Place a graph with the scheduler: every node on a device, split inputs copied, compute buffers allocated. A graph
 // may have been placed before in buffers that have since been re-planned for another graph, so its compute tensors
-// are detached first and placed again. Custom ops (fused GELU, tiled experts) are CPU code: pinned to the CPU.
-bool dg_place_graph(dg_context *c, struct ggml_context *gctx, struct ggml_cgraph *gf, char *err, size_t err_len) {
+// are detached first and placed again. Custom ops (fused GELU, tiled experts) are CPU code: pinned to the CPU; pins
+// name other nodes' devices.
+bool dg_place_graph(dg_context *c, struct ggml_context *gctx, struct ggml_cgraph *gf, const dg_pin *pins, int n_pins,
+                    char *err, size_t err_len) {
     for (struct ggml_tensor *t = ggml_get_first_tensor(gctx); t; t = ggml_get_next_tensor(gctx, t)) {
         t->data = NULL;
         t->buffer = NULL;
@@ -34,6 +37,11 @@ bool dg_place_graph(dg_context *c, struct ggml_context *gctx, struct ggml_cgraph
     for (int i = 0; i < ggml_graph_n_nodes(gf); i++) {
         struct ggml_tensor *node = ggml_graph_node(gf, i);
         if (node->op == GGML_OP_CUSTOM) ggml_backend_sched_set_tensor_backend(c->sched, node, c->backends[0]);
+    }
+    for (int i = 0; i < n_pins; i++) {  // an op the device lacks is left to the scheduler (it runs on the CPU)
+        ggml_backend_t b = c->backends[pins[i].device];
+        if (pins[i].t->op != GGML_OP_CUSTOM && ggml_backend_supports_op(b, pins[i].t))
+            ggml_backend_sched_set_tensor_backend(c->sched, pins[i].t, b);
     }
     if (!ggml_backend_sched_alloc_graph(c->sched, gf)) {
         dg_set_err(err, err_len, "cannot allocate the compute graph (out of memory)");
@@ -128,13 +136,16 @@ bool dg_ids_ok(const dg_model *m, const int32_t *ids, int n, char *err, size_t e
 }
 
 void dg_free_step_graphs(dg_context *c) {
-    for (int s = 0; s < 2; s++) {
+    for (int s = 0; s < DG_SC_MODES; s++) {
         for (int o = 0; o < 2; o++) {
-            dg_step_graph *g = &c->steps[s][o];
-            if (g->ctx) ggml_free(g->ctx);
-            memset(g, 0, sizeof(*g));
+            for (int r = 0; r < 2; r++) {
+                dg_step_graph *g = &c->steps[s][o][r];
+                if (g->ctx) ggml_free(g->ctx);
+                memset(g, 0, sizeof(*g));
+            }
         }
     }
+    c->steps_tails_clear = false;
     c->steps_n_past = -1;
     c->steps_swa_base = -1;
     c->steps_n_rows = -1;
@@ -288,5 +299,6 @@ void dg_context_clear(dg_context *c) {
     c->swa_base = 0;
     c->last = -1;
     c->last_rows = 0;
+    c->holds_probs[0] = c->holds_probs[1] = false;
     dg_free_step_graphs(c);
 }

@@ -57,7 +57,7 @@ static bool encode_chunk(dg_context *c, const int32_t *ids, int n, char *err, si
                            last);
     }
 
-    bool ok = dg_place_graph(c, gctx, gf, err, err_len);
+    bool ok = dg_place_graph(c, gctx, gf, NULL, 0, err, err_len);
     if (ok) {
         int32_t *pos = malloc(sizeof(int32_t) * (size_t)n);
         ok = pos != NULL;

@@ -20,6 +20,7 @@
 #define DG_MAX_LAYERS 512
 #define DG_MAX_CANVAS 4096  // longer canvases cost minutes per step and gigabytes of activations
 #define DG_MAX_CANDIDATES 64  // canvases denoised together in one decoder step (num_canvases)
+#define DG_MAX_SC_TOP_K 4096  // self_cond_top_k: beyond this the dense product is as cheap (and exact)
 #define DG_MAX_DEVICES 17   // the CPU + up to 16 accelerators (ggml's RPC backend allows 16 servers)
 
 // Hyper-parameters as read from the GGUF (mirrored by ctypes in model.py: keep the field order).
@@ -125,13 +126,29 @@ typedef struct dg_attn_span {
                   // rows; first/len/padding/tail then describe one canvas's layout [context | own rows | tail]
 } dg_attn_span;
 
+// A node the scheduler must run on a given placement device (custom ops are pinned to the CPU in any case).
+typedef struct dg_pin {
+    struct ggml_tensor *t;
+    int device;
+} dg_pin;
+#define DG_STEP_PINS 40
+
+// Where a step's self-conditioning input comes from: none (a canvas's first step), the previous step's raw logits
+// (tempered by a softmax in the graph), or the tempered probabilities a sampling step left in the buffer.
+enum { DG_SC_NONE, DG_SC_LOGITS, DG_SC_PROBS, DG_SC_MODES };
+
 // Graph inputs and output of one decoder step variant.
 typedef struct dg_step_graph {
     struct ggml_context *ctx;
     struct ggml_cgraph *gf;
     struct ggml_tensor *ids, *pos, *sc_softmax;
-    struct ggml_tensor *mask[2];  // [full, sliding] layers' padding masks, NULL when that kind has no padding
+    struct ggml_tensor *mask[2];      // [full, sliding] layers' padding masks, NULL when that kind has no padding
+    struct ggml_tensor *mask_row[2];  // their one row (every row hides the same slots), the input
     dg_attn_span span[2];
+    // a sampling step (dg_step_reduced): the uniforms in, the softmax whose scale is 1/T, the reductions out
+    struct ggml_tensor *uniforms, *sample_softmax, *argmax, *p_max, *shifted_sum, *block, *above;
+    dg_pin pins[DG_STEP_PINS];
+    int n_pins;
 } dg_step_graph;
 
 typedef struct dg_context {
@@ -154,14 +171,25 @@ typedef struct dg_context {
     int last;                      // buffer holding the previous step's raw logits, -1 if none
     int last_rows;
 
-    // decoder graphs of the current geometry, [self-conditioning][output buffer]
-    dg_step_graph steps[2][2];
+    bool holds_probs[2];           // that buffer holds a sampling step's tempered probabilities, not raw logits
+    int sc_top_k;                  // self-conditioning from each row's k most probable tokens (0: all, exact)
+
+    // decoder graphs of the current geometry, [self-conditioning input][output buffer][sampling step]
+    dg_step_graph steps[DG_SC_MODES][2][2];
+    bool steps_tails_clear;  // the trailing padding slots of this geometry's spans are zeroed
     int steps_n_past;
     int steps_swa_base;
     int steps_n_rows;
     int steps_n_canvases;
     double *profile;  // while a profiled step runs: seconds per class (dg_profile_class; the eval callback adds to it)
     double profile_t0;
+
+    // Bytes copied between the host and the devices by decoder steps (and keep_canvases), summed since the context
+    // was made: the engine's own reads and writes of tensors outside host memory (dg_tensor_get/set), and the
+    // scheduler's copies of split inputs (dg_count_split_copies; device to device counts as to_device).
+    bool counting;  // inside a step: dg_tensor_get/set count
+    uint64_t xfer_to_device, xfer_from_device;
+    int64_t xfer_steps;
 } dg_context;
 
 // Where a profiled step's time goes (dg_context_step_profiled; bench/real_shapes.py names them in this order).
@@ -226,6 +254,9 @@ struct ggml_tensor *dg_build_f32_matmul_isa(struct ggml_context *ctx, struct ggm
 struct ggml_tensor *dg_build_soft_embedding(struct ggml_context *ctx, struct ggml_tensor *embd, struct ggml_tensor *p,
                                             int slices, int isa);
 int dg_soft_embedding_isa(void);
+// the same from each token's k most probable rows, renormalised (self_cond_top_k; 1 ≤ k < V, k ≤ DG_MAX_SC_TOP_K): [H, n]
+struct ggml_tensor *dg_build_soft_embedding_topk(struct ggml_context *ctx, struct ggml_tensor *embd,
+                                                 struct ggml_tensor *p, int k);
 // its row dequantizer for `type` (NULL for F32: a copy); bit-identical to ggml's to_float
 ggml_to_float_t dg_row_dequantizer(enum ggml_type type, bool avx2);
 
@@ -244,6 +275,8 @@ struct ggml_tensor *dg_build_weight_matmul(struct ggml_context *ctx, struct ggml
 // gelu_tanh(gate)·up; fast: one CPU pass (custom op), else the same f32 arithmetic from standard ops (any backend)
 struct ggml_tensor *dg_build_gelu_mul(struct ggml_context *ctx, struct ggml_tensor *gate, struct ggml_tensor *up,
                                       bool fast);
+// softcap(x) as a new tensor; fast: one CPU pass (custom op), else ggml's ops
+struct ggml_tensor *dg_build_softcap(struct ggml_context *ctx, struct ggml_tensor *x, float cap, bool fast);
 // writes softcap(x) into dst; fast with dst in host memory: one CPU pass, else ggml's ops and a copy
 struct ggml_tensor *dg_build_softcap_into(struct ggml_context *ctx, struct ggml_tensor *x, float cap,
                                           struct ggml_tensor *dst, bool fast);
@@ -261,6 +294,12 @@ struct ggml_tensor *dg_build_rmsw(struct ggml_context *ctx, const dg_model *m, s
 // the same arithmetic from standard ops (any backend)
 struct ggml_tensor *dg_build_self_cond_mlp(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x);
 
+// transfers.c: ggml_backend_tensor_set/get, counted in the context's transfer totals while c->counting when t's
+// memory is not the host's; and after dg_place_graph, the bytes of the split inputs the scheduler copies when gf runs
+void dg_tensor_set(dg_context *c, struct ggml_tensor *t, const void *data, size_t offset, size_t size);
+void dg_tensor_get(dg_context *c, const struct ggml_tensor *t, void *data, size_t offset, size_t size);
+void dg_count_split_copies(dg_context *c, struct ggml_cgraph *gf);
+
 // kv_cache.c: the K/V ring
 int dg_encode_chunk_rows(const dg_model *m);  // rows per encoder pass
 int dg_kv_sliding_slots(const dg_model *m, int max_canvases, int n_slots);  // slots of a sliding layer's cache
@@ -277,11 +316,14 @@ void dg_context_destroy(dg_context *c);
 void dg_context_clear(dg_context *c);  // forget every cached token and logits
 size_t dg_graph_nodes(const dg_model *m);
 struct ggml_context *dg_new_graph_ctx(const dg_model *m);
-bool dg_place_graph(dg_context *c, struct ggml_context *gctx, struct ggml_cgraph *gf, char *err, size_t err_len);
+// pins: nodes to run on given devices (NULL, 0: none beyond the custom ops, always on the CPU)
+bool dg_place_graph(dg_context *c, struct ggml_context *gctx, struct ggml_cgraph *gf, const dg_pin *pins, int n_pins,
+                    char *err, size_t err_len);
 // profile: NULL, or DG_PROFILE_COUNT seconds to add each node's time to (node by node, slower)
 bool dg_compute(dg_context *c, struct ggml_cgraph *gf, double *profile, char *err, size_t err_len);
 bool dg_ids_ok(const dg_model *m, const int32_t *ids, int n, char *err, size_t err_len);
 void dg_free_step_graphs(dg_context *c);
+
 
 // encoder.c: encode n tokens after the cached ones (0, or -1 with err set)
 int dg_encode(dg_context *c, const int32_t *ids, int n, char *err, size_t err_len);
@@ -289,8 +331,15 @@ int dg_encode(dg_context *c, const int32_t *ids, int n, char *err, size_t err_le
 // decoder.c: the decoder step and the logits buffers it reads and writes
 float *dg_step(dg_context *c, const int32_t *ids, int n, int n_canvases, int use_self_cond, float inv_temp,
                double *profile, char *err, size_t err_len);
+// A sampling step: the step's softcapped logits stay on the output's device as tempered probabilities (softmax at
+// inv_temp, the next step's self-conditioning input); per row only the argmax, the entropy (nats) and the inverse-CDF
+// draw at uniforms[i] come back. 0, or -1 with err set.
+int dg_step_reduced(dg_context *c, const int32_t *ids, int n, int n_canvases, int use_self_cond, float sc_inv_temp,
+                    float inv_temp, const float *uniforms, int32_t *argmax, float *entropy, int32_t *draw,
+                    char *err, size_t err_len);
 int dg_keep_canvases(dg_context *c, const uint8_t *keep, int n_canvases, char *err, size_t err_len);
 int dg_set_self_cond(dg_context *c, const float *data, int rows, char *err, size_t err_len);
+int dg_set_self_cond_top_k(dg_context *c, int k, char *err, size_t err_len);
 float *dg_last_logits(const dg_context *c);
 // out [n, H] = probs [n, V] · E through the step's soft-embedding graph (no embedding scale)
 int dg_run_soft_embedding(dg_context *c, const float *probs, int n, float *out, char *err, size_t err_len);

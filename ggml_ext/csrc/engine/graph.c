@@ -15,8 +15,12 @@
 
 #include "engine.h"
 
+// The rows are read where the first layer runs: from the output device's copy of a tied embedding when layer 0
+// shares that device (then only the ids cross to it, not [H, n] floats), else from the mapped file on the CPU.
 struct ggml_tensor *dg_build_embed(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *ids) {
-    return ggml_scale(ctx, ggml_get_rows(ctx, m->tok_embd, ids), m->embd_scale);
+    const dg_placement *p = &m->place;
+    const bool on_device = p->lm_head && p->unit_device[0] != 0 && p->unit_device[0] == p->unit_device[m->hp.n_layer];
+    return ggml_scale(ctx, ggml_get_rows(ctx, on_device ? p->lm_head : m->tok_embd, ids), m->embd_scale);
 }
 
 struct ggml_tensor *dg_build_rmsw(struct ggml_context *ctx, const dg_model *m, struct ggml_tensor *x,

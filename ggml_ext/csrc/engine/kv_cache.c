@@ -33,16 +33,16 @@ int dg_kv_slot(const dg_context *c, int il, int pos) {
 }
 
 // A cache tensor's bytes on the host: its own memory on the CPU, else a copy (device caches; write_back after).
-static void *host_bytes(struct ggml_tensor *t) {
+static void *host_bytes(dg_context *c, struct ggml_tensor *t) {
     if (ggml_backend_buffer_is_host(t->buffer)) return t->data;
     void *copy = malloc(ggml_nbytes(t));
-    if (copy) ggml_backend_tensor_get(t, copy, 0, ggml_nbytes(t));
+    if (copy) dg_tensor_get(c, t, copy, 0, ggml_nbytes(t));
     return copy;
 }
 
-static void write_back(struct ggml_tensor *t, void *bytes) {
+static void write_back(dg_context *c, struct ggml_tensor *t, void *bytes) {
     if (bytes == t->data) return;
-    ggml_backend_tensor_set(t, bytes, 0, ggml_nbytes(t));
+    dg_tensor_set(c, t, bytes, 0, ggml_nbytes(t));
     free(bytes);
 }
 
@@ -55,8 +55,8 @@ bool dg_kv_make_room(dg_context *c, int n, char *err, size_t err_len) {
     for (int il = 0; il < m->hp.n_layer; il++) {
         if (!m->layers[il].sliding) continue;
         struct ggml_tensor *kc = c->k_cache[il], *vc = c->v_cache[il];
-        char *k = host_bytes(kc);
-        float *v = host_bytes(vc);
+        char *k = host_bytes(c, kc);
+        float *v = host_bytes(c, vc);
         if (!k || !v) {
             if (k != kc->data) free(k);
             if (v != vc->data) free(v);
@@ -68,8 +68,8 @@ bool dg_kv_make_room(dg_context *c, int n, char *err, size_t err_len) {
             float *row = v + r * vc->ne[0];
             memmove(row, row + shift, sizeof(float) * (size_t)keep);
         }
-        write_back(kc, k);
-        write_back(vc, v);
+        write_back(c, kc, k);
+        write_back(c, vc, v);
     }
     c->swa_base += shift;
     return true;

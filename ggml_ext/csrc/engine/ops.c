@@ -114,9 +114,9 @@ __attribute__((target("avx2,fma"))) static void softcap_row_avx2(const float *x,
 
 #endif
 
-// dst (src[0], the destination written in place) = softcap of src[1]
+// dst = softcap of x: src[1] in place (src[0] is the destination), else src[0]
 static void softcap_op(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
-    const struct ggml_tensor *x = dst->src[1];
+    const struct ggml_tensor *x = dst->src[1] ? dst->src[1] : dst->src[0];
     float cap;
     memcpy(&cap, &userdata, sizeof cap);
     const int64_t n = x->ne[0], rows = ggml_nrows(x);
@@ -136,6 +136,20 @@ static void softcap_op(struct ggml_tensor *dst, int ith, int nth, void *userdata
     }
 }
 
+static struct ggml_tensor *softcap_standard(struct ggml_context *ctx, struct ggml_tensor *x, float cap) {
+    return ggml_scale_bias(ctx, ggml_sigmoid(ctx, ggml_scale(ctx, x, 2.0f / cap)), 2.0f * cap, -cap);
+}
+
+struct ggml_tensor *dg_build_softcap(struct ggml_context *ctx, struct ggml_tensor *x, float cap, bool fast) {
+    if (!(fast && x->type == GGML_TYPE_F32 && ggml_is_contiguous(x) && ggml_n_dims(x) <= 2))
+        return softcap_standard(ctx, x, cap);
+    void *userdata = NULL;
+    memcpy(&userdata, &cap, sizeof cap);
+    struct ggml_tensor *args[1] = {x};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, x->ne[0], x->ne[1], 1, 1, args, 1, softcap_op, GGML_N_TASKS_MAX,
+                          userdata);
+}
+
 // Writes the softcapped x into dst ([V, n] views alike). On the CPU (fast, dst in host memory) one pass straight into
 // dst; otherwise ggml's three ops and a copy.
 struct ggml_tensor *dg_build_softcap_into(struct ggml_context *ctx, struct ggml_tensor *x, float cap,
@@ -144,9 +158,7 @@ struct ggml_tensor *dg_build_softcap_into(struct ggml_context *ctx, struct ggml_
     const bool one_pass = fast && x->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32 &&
                           ggml_are_same_shape(x, dst) && x->nb[0] == sizeof(float) && dst->nb[0] == sizeof(float) &&
                           ggml_n_dims(x) <= 2 && base->buffer && ggml_backend_buffer_is_host(base->buffer);
-    if (!one_pass)
-        return ggml_cpy(ctx, ggml_scale_bias(ctx, ggml_sigmoid(ctx, ggml_scale(ctx, x, 2.0f / cap)), 2.0f * cap, -cap),
-                        dst);
+    if (!one_pass) return ggml_cpy(ctx, softcap_standard(ctx, x, cap), dst);
     void *userdata = NULL;
     memcpy(&userdata, &cap, sizeof cap);
     struct ggml_tensor *args[1] = {x};

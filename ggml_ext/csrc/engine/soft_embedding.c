@@ -397,3 +397,82 @@ struct ggml_tensor *dg_build_soft_embedding(struct ggml_context *ctx, struct ggm
     }
     return sum;
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Top-k self-conditioning (self_cond_top_k): per token, the k most probable vocabulary rows, renormalised, times E.
+
+typedef struct {
+    float p;
+    int32_t v;
+} scored;
+
+// Heap order: the smallest probability on top, and among equal ones the highest index, so that the k kept are the
+// largest with ties to the lower index.
+static bool scored_below(scored a, scored b) { return a.p < b.p || (a.p == b.p && a.v > b.v); }
+
+static void sift_down(scored *h, int k, int i) {
+    for (;;) {
+        int m = i, l = 2 * i + 1, r = l + 1;
+        if (l < k && scored_below(h[l], h[m])) m = l;
+        if (r < k && scored_below(h[r], h[m])) m = r;
+        if (m == i) return;
+        const scored t = h[i];
+        h[i] = h[m];
+        h[m] = t;
+        i = m;
+    }
+}
+
+static int by_index(const void *a, const void *b) {
+    const int32_t x = ((const scored *)a)->v, y = ((const scored *)b)->v;
+    return (x > y) - (x < y);
+}
+
+// dst [H, n]; src[0] = E [H, V], src[1] = P [V, n] F32 rows; userdata: k (1 ≤ k < V, checked when built). Threads
+// take whole tokens; each output is one FMA chain over its k rows in vocabulary order.
+static void soft_embedding_topk_op(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    const struct ggml_tensor *e = dst->src[0], *p = dst->src[1];
+    const int64_t H = e->ne[0], V = e->ne[1], n = p->ne[1];
+    const int k = (int)(intptr_t)userdata;
+    const ggml_to_float_t to_float = dg_row_dequantizer(e->type, dg_cpu_isa() >= DG_ISA_AVX2);
+    scored *heap = malloc(sizeof(scored) * (size_t)k);
+    float *row = malloc(sizeof(float) * (size_t)H);
+    if (!heap || !row) abort();  // a custom op cannot fail; k ≤ DG_MAX_SC_TOP_K entries and one row
+    for (int64_t t = ith; t < n; t += nth) {
+        const float *pt = (const float *)((const char *)p->data + (size_t)t * p->nb[1]);
+        for (int i = 0; i < k; i++) heap[i] = (scored){pt[i], (int32_t)i};
+        for (int i = k / 2 - 1; i >= 0; i--) sift_down(heap, k, i);
+        for (int64_t v = k; v < V; v++) {
+            if (pt[v] > heap[0].p) {  // equal: the lower index already held wins
+                heap[0] = (scored){pt[v], (int32_t)v};
+                sift_down(heap, k, 0);
+            }
+        }
+        qsort(heap, (size_t)k, sizeof(scored), by_index);
+        double total = 0.0;
+        for (int i = 0; i < k; i++) total += heap[i].p;
+        float *y = (float *)((char *)dst->data + (size_t)t * dst->nb[1]);
+        memset(y, 0, sizeof(float) * (size_t)H);
+        if (!(total > 0.0)) continue;  // an all-zero row (never a softmax's) stays zero
+        for (int i = 0; i < k; i++) {
+            const float w = (float)(heap[i].p / total);
+            if (w == 0.0f) continue;
+            const char *src = (const char *)e->data + (size_t)heap[i].v * e->nb[1];
+            if (to_float) to_float(src, row, H);
+            else memcpy(row, src, sizeof(float) * (size_t)H);
+            for (int64_t h = 0; h < H; h++) y[h] += w * row[h];
+        }
+    }
+    free(heap);
+    free(row);
+}
+
+struct ggml_tensor *dg_build_soft_embedding_topk(struct ggml_context *ctx, struct ggml_tensor *embd,
+                                                 struct ggml_tensor *p, int k) {
+    GGML_ASSERT(p->type == GGML_TYPE_F32 && p->nb[0] == sizeof(float) && p->ne[0] == embd->ne[1] && p->ne[2] == 1);
+    GGML_ASSERT(k >= 1 && k < embd->ne[1] && k <= DG_MAX_SC_TOP_K && embd->ne[2] == 1 &&
+                (embd->type == GGML_TYPE_F32 || ggml_get_type_traits(embd->type)->to_float));
+    struct ggml_tensor *args[2] = {embd, p};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, embd->ne[0], p->ne[1], 1, 1, args, 2, soft_embedding_topk_op,
+                          GGML_N_TASKS_MAX, (void *)(intptr_t)k);
+}

@@ -406,17 +406,10 @@ int32_t dg_sampler_reopen(dg_sampler *s, int32_t *canvas, const uint8_t *reset) 
     return left;
 }
 
-int32_t dg_sampler_step(dg_sampler *s, const float *raw_logits, int64_t row_stride, int32_t *canvas,
-                        int32_t *argmax, int32_t *sampled, float *entropy, uint8_t *accepted, dg_step_info *info) {
-    if (s == NULL || raw_logits == NULL || canvas == NULL || !s->active || s->steps_done >= s->p.max_steps ||
-        row_stride < s->V) {
-        return -1;
-    }
+// Acceptance, renoise, stability and stop, from the rows' argmax, entropy and draw in s (one step at temperature T).
+static void finish_step(dg_sampler *s, int32_t remaining, float T, int32_t *canvas, int32_t *argmax,
+                        int32_t *sampled, float *entropy, uint8_t *accepted, dg_step_info *info) {
     const int32_t C = s->C;
-    const int32_t remaining = s->p.max_steps - s->steps_done;
-    const float T = dg_sampler_temperature(remaining, s->p.max_steps, s->p.t_min, s->p.t_max);
-
-    sample_rows(s, raw_logits, row_stride, T);
     int32_t n_accepted = accept_by_entropy_bound(s);
 
     // Renoise: a full fresh canvas every step (torch draws randint(C) after the exponentials), then
@@ -460,5 +453,61 @@ int32_t dg_sampler_step(dg_sampler *s, const float *raw_logits, int64_t row_stri
             .exhausted = exhausted,
         };
     }
+}
+
+static float step_temperature(const dg_sampler *s) {
+    return dg_sampler_temperature(s->p.max_steps - s->steps_done, s->p.max_steps, s->p.t_min, s->p.t_max);
+}
+
+int32_t dg_sampler_step(dg_sampler *s, const float *raw_logits, int64_t row_stride, int32_t *canvas,
+                        int32_t *argmax, int32_t *sampled, float *entropy, uint8_t *accepted, dg_step_info *info) {
+    if (s == NULL || raw_logits == NULL || canvas == NULL || !s->active || s->steps_done >= s->p.max_steps ||
+        row_stride < s->V) {
+        return -1;
+    }
+    const float T = step_temperature(s);
+    sample_rows(s, raw_logits, row_stride, T);
+    finish_step(s, s->p.max_steps - s->steps_done, T, canvas, argmax, sampled, entropy, accepted, info);
+    return 0;
+}
+
+// The largest float below 1 whose product with a positive float stays below it (1 - 2^-24 may round up to it): a
+// uniform rounded to float and clamped to it keeps u · total below a row's total.
+#define UNIFORM_MAX 0x1.fffffcp-1f
+
+int32_t dg_sampler_draw_inputs(const dg_sampler *s, float *uniforms, float *temperature) {
+    if (s == NULL || uniforms == NULL || temperature == NULL || s->rng_mode != DG_RNG_FAST || !s->active ||
+        s->steps_done >= s->p.max_steps) {
+        return -1;
+    }
+    for (int32_t row = 0; row < s->C; row++) {
+        // the same uniform sample_row would draw with, rounded to float
+        const float u = (float)dg_counter_uniform(s->seed, DG_STREAM_CATEGORY, (uint64_t)s->canvas_index,
+                                                  (uint64_t)s->steps_done, (uint64_t)row);
+        uniforms[row] = u < UNIFORM_MAX ? u : UNIFORM_MAX;
+    }
+    *temperature = step_temperature(s);
+    return 0;
+}
+
+int32_t dg_sampler_step_reduced(dg_sampler *s, const int32_t *row_argmax, const float *row_entropy,
+                                const int32_t *row_draw, int32_t *canvas, int32_t *argmax, int32_t *sampled,
+                                float *entropy, uint8_t *accepted, dg_step_info *info) {
+    if (s == NULL || row_argmax == NULL || row_entropy == NULL || row_draw == NULL || canvas == NULL || !s->active ||
+        s->steps_done >= s->p.max_steps) {
+        return -1;
+    }
+    for (int32_t i = 0; i < s->C; i++) {
+        if (row_argmax[i] < 0 || row_argmax[i] >= s->V || row_draw[i] < 0 || row_draw[i] >= s->V) {
+            return -2;
+        }
+    }
+    for (int32_t i = 0; i < s->C; i++) {
+        s->argmax[i] = row_argmax[i];
+        s->draw[i] = s->p.greedy ? row_argmax[i] : row_draw[i];
+        s->entropy[i] = row_entropy[i] > 0.0f ? row_entropy[i] : 0.0f;  // as sample_row: NaN and rounding below 0
+    }
+    const float T = step_temperature(s);
+    finish_step(s, s->p.max_steps - s->steps_done, T, canvas, argmax, sampled, entropy, accepted, info);
     return 0;
 }

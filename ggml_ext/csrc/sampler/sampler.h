@@ -56,6 +56,18 @@ DG_API int32_t dg_sampler_step(dg_sampler *s, const float *raw_logits, int64_t r
                                int32_t *argmax, int32_t *sampled, float *entropy, uint8_t *accepted,
                                dg_step_info *info);
 
+// For a caller that reduces the logits itself (the engine's sampling step, fast mode only): the next step's
+// temperature and the uniform each row's inverse-CDF draw uses (the ones dg_sampler_step would use, rounded to float
+// and kept below 1). Returns 0, or -1 in torch mode or without an active canvas with steps left.
+DG_API int32_t dg_sampler_draw_inputs(const dg_sampler *s, float *uniforms, float *temperature);
+
+// The step from per-row reductions made elsewhere (argmax, entropy in nats, the draw at dg_sampler_draw_inputs'
+// uniforms): acceptance, renoise, history and the stop decision as dg_sampler_step. Returns 0, -1 as dg_sampler_step,
+// -2 for a token id outside the vocabulary (nothing is changed then).
+DG_API int32_t dg_sampler_step_reduced(dg_sampler *s, const int32_t *row_argmax, const float *row_entropy,
+                                       const int32_t *row_draw, int32_t *canvas, int32_t *argmax, int32_t *sampled,
+                                       float *entropy, uint8_t *accepted, dg_step_info *info);
+
 // Reopen a finished canvas for more steps (self-correction): positions with reset[i] != 0 get fresh uniform tokens in
 // `canvas` (the rest keep the caller's tokens), the argmax history is cleared so the stop needs S new steps, and the
 // step counter and temperature schedule go on where they were. Returns the number of steps left, 0 when none are
