@@ -1,6 +1,6 @@
 """`dgemma debug ...`: fixed-interface entry points that external checks rely on."""
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
@@ -14,9 +14,12 @@ def parse_ids(text: str) -> list[int]:
         raise typer.BadParameter(f"expected comma-separated token ids, got {text!r}") from None
 
 
-NUM_GPU_HELP = "layers on accelerators / RPC devices (-ngl)"
-NUM_CPU_MOE_HELP = "first N layers keep their experts on the CPU"
-LORA_HELP = "LoRA adapter: a GGUF LoRA file or a PEFT adapter folder; PATH:SCALE scales it (default 1); repeatable"
+# the options both commands take: threads, placement, adapters
+Threads = Annotated[Optional[int], typer.Option("--threads")]
+NumGpu = Annotated[Optional[int], typer.Option("--num-gpu", help="layers on accelerators / RPC devices (-ngl)")]
+NumCpuMoe = Annotated[int, typer.Option("--num-cpu-moe", help="first N layers keep their experts on the CPU")]
+Lora = Annotated[Optional[List[str]], typer.Option(
+    "--lora", help="LoRA adapter: a GGUF LoRA file or a PEFT adapter folder; PATH:SCALE scales it (default 1); repeatable")]
 
 
 def adapter_files(values: Optional[List[str]]):
@@ -35,10 +38,10 @@ def logits(
     sc_logits: Optional[Path] = typer.Option(None, "--sc-logits", help=".npy of the previous step's raw logits"),
     sc_temperature: float = typer.Option(1.0, "--sc-temperature", help="temperature applied to --sc-logits"),
     out: Path = typer.Option(..., "--out", help="output .npy, float32 [canvas_len, vocab]"),
-    threads: Optional[int] = typer.Option(None, "--threads"),
-    num_gpu: Optional[int] = typer.Option(None, "--num-gpu", help=NUM_GPU_HELP),
-    num_cpu_moe: int = typer.Option(0, "--num-cpu-moe", help=NUM_CPU_MOE_HELP),
-    lora: Optional[List[str]] = typer.Option(None, "--lora", help=LORA_HELP),
+    threads: Threads = None,
+    num_gpu: NumGpu = None,
+    num_cpu_moe: NumCpuMoe = 0,
+    lora: Lora = None,
 ) -> None:
     """Write the softcapped decoder logits for one denoising step (prompt encoded first)."""
     from dgemma_engine.debug import debug_logits
@@ -63,10 +66,10 @@ def generate(
     stability_threshold: Optional[int] = typer.Option(None, "--stability-threshold"),
     num_canvases: Optional[int] = typer.Option(None, "--num-canvases",
                                                help="candidate canvases denoised together (the lowest-entropy one is kept)"),
-    threads: Optional[int] = typer.Option(None, "--threads"),
-    num_gpu: Optional[int] = typer.Option(None, "--num-gpu", help=NUM_GPU_HELP),
-    num_cpu_moe: int = typer.Option(0, "--num-cpu-moe", help=NUM_CPU_MOE_HELP),
-    lora: Optional[List[str]] = typer.Option(None, "--lora", help=LORA_HELP),
+    threads: Threads = None,
+    num_gpu: NumGpu = None,
+    num_cpu_moe: NumCpuMoe = 0,
+    lora: Lora = None,
 ) -> None:
     """Print JSON {"sequence": [...], "steps_per_canvas": [...]} for one generation."""
     from dgemma_engine.debug import debug_generate

@@ -550,13 +550,10 @@ def best_canvas(logits: np.ndarray, automaton: TokenAutomaton, state: int, token
         back[i, group_dst] = first
         score = _stay_at_end(new, back[i], score, end, row_max[i])
     score, last = _final_state(score, a, tokens_after)
-    ids = [0] * positions
-    s = last
-    for i in range(positions - 1, -1, -1):
-        run = back[i, s]
+
+    def step_back(i: int, run: int) -> tuple[int, int | None]:
         if run < 0:
-            ids[i] = _row_argmax(x, mx, lse, row_max, bound, rows, cols, lp, i)
-            continue
+            return _row_argmax(x, mx, lse, row_max, bound, rows, cols, lp, i), None
         set_id, source = ix.run_set[run], int(run_src[run])
         base = history[i, source]
         reached_score = base + sets.value[i, set_id]
@@ -564,11 +561,21 @@ def best_canvas(logits: np.ndarray, automaton: TokenAutomaton, state: int, token
             # several tokens of the run reach the score: the first edge, as the plain program takes it
             tokens = a.tok[ix.run_start[run]:ix.run_stop[run]]
             scores = base + ((x[i, tokens] - mx[i]) - lse[i])
-            ids[i] = int(tokens[np.argmax(scores == reached_score)])
-        else:
-            ids[i] = int(sets.token[i, set_id])
-        s = source
-    return ConstrainedCanvas(ids, last, float(score[last]))
+            return int(tokens[np.argmax(scores == reached_score)]), source
+        return int(sets.token[i, set_id]), source
+
+    return ConstrainedCanvas(_backtrack(back, last, step_back), last, float(score[last]))
+
+
+def _backtrack(back: np.ndarray, last: int, step_back) -> list[int]:
+    """The token of each position, from the last back to the first: `step_back(i, back[i, state])` gives position i's
+    token and the state before it (None: the same state, a position that stayed closed)."""
+    ids = [0] * len(back)
+    state = last
+    for i in range(len(back) - 1, -1, -1):
+        ids[i], before = step_back(i, int(back[i, state]))
+        state = state if before is None else before
+    return ids
 
 
 def _stay_at_end(new: np.ndarray, back_row: np.ndarray, score: np.ndarray, end: int, row_best: float) -> np.ndarray:
@@ -628,16 +635,11 @@ def best_canvas_reference(logits: np.ndarray, automaton: TokenAutomaton, state: 
         back[i, a.seg_dst] = first
         score = _stay_at_end(new, back[i], score, a.end, row_max[i])
     score, last = _final_state(score, a, tokens_after)
-    ids = [0] * positions
-    s = last
-    for i in range(positions - 1, -1, -1):
-        edge = back[i, s]
-        if edge < 0:
-            ids[i] = int(row_best[i])
-        else:
-            ids[i] = int(a.tok[edge])
-            s = int(a.src[edge])
-    return ConstrainedCanvas(ids, last, float(score[last]))
+
+    def step_back(i: int, edge: int) -> tuple[int, int | None]:
+        return (int(row_best[i]), None) if edge < 0 else (int(a.tok[edge]), int(a.src[edge]))
+
+    return ConstrainedCanvas(_backtrack(back, last, step_back), last, float(score[last]))
 
 
 def check_room(automaton: TokenAutomaton, canvas_tokens: int, token_limit: int | None) -> None:
