@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 import common
-from rpc_split import start_server
+from rpc_split import rpc_servers
 
 CHILD = """
 import json, sys
@@ -66,11 +66,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     modes = args.modes.split(",")
-    proc, endpoint = start_server(args.server_threads) if any(m.startswith("rpc") for m in modes) else (None, "")
-    env = dict(os.environ, DGEMMA_RPC=endpoint) if endpoint else dict(os.environ)
     report = {"cpu": common.cpu_info(), "threads": args.threads, "server_threads": args.server_threads,
               "prompt_tokens": args.prompt_tokens, "files": {}}
-    try:
+    with rpc_servers(1 if any(m.startswith("rpc") for m in modes) else 0, args.server_threads) as endpoints:
+        env = dict(os.environ, DGEMMA_RPC=endpoints[0]) if endpoints else dict(os.environ)
         for gguf in args.gguf:
             rows: dict[str, list[dict]] = {m: [] for m in modes}
             for _ in range(args.reps):
@@ -88,10 +87,6 @@ def main() -> None:
                       f"{', '.join(f'{s:.2f}' for s in first)} s, self-conditioned steps "
                       f"{', '.join(f'{s:.2f}' for s in later)} s", flush=True)
             report["files"][gguf.name] = entry
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
 

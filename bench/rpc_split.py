@@ -16,6 +16,7 @@ other machines. Its numbers from the shared 2-core development machine are not r
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -23,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +54,20 @@ def start_server(threads: int) -> tuple[subprocess.Popen, str]:
             time.sleep(0.2)
     proc.kill()
     sys.exit(f"the RPC server at {endpoint} did not start")
+
+
+@contextlib.contextmanager
+def rpc_servers(count: int, threads: int) -> Iterator[list[str]]:
+    """`count` loopback RPC servers (`threads` each) for the duration of the block: their endpoints."""
+    servers = []
+    try:
+        for _ in range(count):
+            servers.append(start_server(threads))
+        yield [endpoint for _, endpoint in servers]
+    finally:
+        for proc, _ in servers:
+            proc.terminate()
+            proc.wait(timeout=30)
 
 
 def time_placement(path: Path, num_gpu: int, ctx_ids: np.ndarray, canvas: np.ndarray, threads: int,
@@ -95,11 +111,10 @@ def main() -> None:
     canvas = rng.integers(0, vocab, canvas_n).astype(np.int32)
 
     server_threads = max(1, args.threads // THREE_WAYS)
-    servers = [start_server(server_threads) for _ in range(THREE_WAYS - 1)]
-    os.environ["DGEMMA_RPC"] = ",".join(endpoint for _, endpoint in servers)
     report: dict = {"threads": args.threads, "server_threads": server_threads, "ctx": ctx_len, "canvas": canvas_n,
                     "types": {}}
-    try:
+    with rpc_servers(THREE_WAYS - 1, server_threads) as endpoints:
+        os.environ["DGEMMA_RPC"] = ",".join(endpoints)
         from dgemma_convert import convert
 
         args.gguf_dir.mkdir(parents=True, exist_ok=True)
@@ -117,10 +132,6 @@ def main() -> None:
             report["types"][outtype] = {"cpu": cpu, "split": split, "max_abs_logit_difference": agreement}
             print(f"{outtype}: CPU alone {cpu['sc_step_s']:.3f} s/step; split ({split['placement']}) "
                   f"{split['sc_step_s']:.3f} s/step; max |Δlogits| {agreement:.2e}")
-    finally:
-        for proc, _ in servers:
-            proc.terminate()
-            proc.wait(timeout=30)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
 
