@@ -1,6 +1,7 @@
 """dgemma's self-conditioned denoising step against llama.cpp PR #24423 (`llama-diffusion-cli`) on the same GGUF files.
 
-    python3 bench/vs_peer.py PEER_BIN GGUF... [--threads 2] [--reps 2] [--prompt 256] [--json out.json]
+    python3 bench/vs_peer.py PEER_BIN GGUF... [--threads 2] [--reps 2] [--prompt 256] [--peer-args ARGS] [--json out]
+    python3 bench/vs_peer.py --no-peer GGUF...           (dgemma alone)
 
 One 256-token canvas after a --prompt-token prompt, early stop off, 2 threads, A/B interleaved, --reps rounds:
 
@@ -45,10 +46,10 @@ def dgemma_step(gguf: Path, threads: int, prompt: int) -> list[float]:
     return steps[1:]
 
 
-def peer_total(peer: str, gguf: Path, steps: int, threads: int, prompt: int) -> float:
+def peer_total(peer: str, gguf: Path, steps: int, threads: int, prompt: int, extra: list[str] = ()) -> float:
     text = " ".join(WORDS[: int(prompt * 0.9)])  # about `prompt` tokens with the peer's tokenizer
     out = run([peer, "-m", str(gguf), "-p", text, "-n", "256", "--diffusion-eb-max-steps", str(steps),
-               "--diffusion-eb-confidence", "1e-30", "-t", str(threads), "--seed", "1", "-no-cnv"])
+               "--diffusion-eb-confidence", "1e-30", "-t", str(threads), "--seed", "1", "-no-cnv", *extra])
     found = re.search(r"total time: ([0-9.]+)ms", out)
     if not found:
         sys.exit(f"the peer printed no 'total time' for {gguf.name}")
@@ -64,14 +65,19 @@ def peer_build(peer: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("peer")
+    ap.add_argument("peer", nargs="?", help="the peer's llama-diffusion-cli (omit with --no-peer)")
     ap.add_argument("ggufs", nargs="+", type=Path)
+    ap.add_argument("--no-peer", action="store_true", help="time dgemma alone (the first argument is a GGUF then)")
+    ap.add_argument("--peer-args", default="", help="more arguments for the peer, e.g. '-ngl 99' on a GPU")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    report = {"cpu": common.cpu_info(), "peer": peer_build(a.peer), "threads": a.threads, "files": {}}
+    if a.no_peer:
+        a.ggufs, a.peer = [Path(a.peer), *a.ggufs] if a.peer else a.ggufs, None
+    report = {"cpu": common.cpu_info(), "peer": peer_build(a.peer) if a.peer else None, "threads": a.threads,
+              "files": {}}
     print(f"{common.cpu_description()} | {a.threads} threads | peer: {report['peer']}", flush=True)
     for gguf in a.ggufs:
         with gguf.open("rb") as f:  # into the page cache before either side runs
@@ -80,12 +86,17 @@ def main() -> None:
         ours, theirs = [], []
         for _ in range(a.reps):
             ours.append(statistics.mean(dgemma_step(gguf, a.threads, a.prompt)))
-            one, three = (peer_total(a.peer, gguf, n, a.threads, a.prompt) for n in (1, 3))
-            theirs.append((three - one) / 2)
-        d, p = statistics.median(ours), statistics.median(theirs)
-        report["files"][gguf.name] = {"dgemma_step_s": ours, "peer_step_s": theirs, "ratio": p / d}
-        print(f"{gguf.name}: dgemma {d:.2f} s ({', '.join(f'{x:.2f}' for x in ours)}), "
-              f"peer {p:.2f} s ({', '.join(f'{x:.2f}' for x in theirs)}), peer / dgemma {p / d:.2f}x", flush=True)
+            if a.peer:
+                one, three = (peer_total(a.peer, gguf, n, a.threads, a.prompt, a.peer_args.split()) for n in (1, 3))
+                theirs.append((three - one) / 2)
+        d = statistics.median(ours)
+        line = f"{gguf.name}: dgemma {d:.3f} s ({', '.join(f'{x:.3f}' for x in ours)})"
+        report["files"][gguf.name] = {"dgemma_step_s": ours}
+        if theirs:
+            p = statistics.median(theirs)
+            report["files"][gguf.name].update(peer_step_s=theirs, ratio=p / d)
+            line += f", peer {p:.3f} s ({', '.join(f'{x:.3f}' for x in theirs)}), peer / dgemma {p / d:.2f}x"
+        print(line, flush=True)
     if a.json:
         a.json.write_text(json.dumps(report, indent=1) + "\n")
 
