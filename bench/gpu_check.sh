@@ -35,7 +35,9 @@ if [ "${GPU_CHECK_WHEELS:-1}" = 1 ] && compgen -G ".gpu/whl/*.whl" >/dev/null; t
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .gpu/whl/*.whl
 fi
 tar xJf .gpu/ggml.tar.xz -C "$work"
+touch "$work/ggml/ggml.pc.in"  # the vendored copy lacks the pkg-config template a standalone build configures
 cmake -S "$work/ggml" -B "$work/ggml-build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+    -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF \
     -DGGML_CUDA=$cuda -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_RPC=ON -DGGML_NATIVE=ON >/dev/null
 peer_bin=${PEER_BIN:-}
 if [ "$with_peer" = 1 ] && [ -z "$peer_bin" ]; then
