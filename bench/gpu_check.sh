@@ -43,7 +43,9 @@ peer_bin=${PEER_BIN:-}
 if [ "$with_peer" = 1 ] && [ -z "$peer_bin" ]; then
     tar xJf .gpu/peer.tar.xz -C "$work"
     cmake -S "$work/peer" -B "$work/peer-build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=$cuda \
-        -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=ON >/dev/null
+        -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF \
+        -DLLAMA_BUILD_EXAMPLES=ON -DGGML_NATIVE=ON >/dev/null
     # both builds at once: they are mostly CUDA kernels, which compile file by file on all cores
     cmake --build "$work/peer-build" -j"$(nproc)" --target llama-diffusion-cli >"$work/peer-build.log" 2>&1 &
     peer_build=$!
