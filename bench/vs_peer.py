@@ -1,6 +1,7 @@
 """dgemma's self-conditioned denoising step against llama.cpp PR #24423 (`llama-diffusion-cli`) on the same GGUF files.
 
-    python3 bench/vs_peer.py PEER_BIN GGUF... [--threads 2] [--reps 2] [--prompt 256] [--peer-args ARGS] [--json out]
+    python3 bench/vs_peer.py PEER_BIN GGUF... [--threads 2] [--reps 2] [--prompt 256] [--peer-args ARGS]
+                             [--self-cond-top-k 0,256,...] [--json out]
     python3 bench/vs_peer.py --no-peer GGUF...           (dgemma alone)
 
 One 256-token canvas after a --prompt-token prompt, early stop off, 2 threads, A/B interleaved, --reps rounds:
@@ -10,6 +11,9 @@ One 256-token canvas after a --prompt-token prompt, early stop off, 2 threads, A
   of a file read for the first time).
 - the peer: it reports one in-process time per generation ("total time"), so its step is the marginal
   (t(3 steps) − t(1 step)) / 2, which cancels loading and prefill.
+
+--self-cond-top-k: dgemma is timed at each k in every round (0: the dense, exact self-conditioning; the peer has no
+such option and always runs dense); the ratio is against the first k listed.
 
 Each file is read once before its first round (both sides then find it in the page cache). The report names the CPU,
 the peer's build and every round's figures; the ratio is peer / dgemma of the medians.
@@ -36,12 +40,12 @@ def run(cmd: list[str]) -> str:
     return proc.stdout + proc.stderr
 
 
-def dgemma_step(gguf: Path, threads: int, prompt: int) -> list[float]:
+def dgemma_step(gguf: Path, threads: int, prompt: int, top_k: int = 0) -> list[float]:
     """In-process seconds of steps 2 and 3 of one generation."""
     ids = ",".join(str(5 + (i * 7919) % 250) for i in range(prompt))
     out = run([sys.executable, "-m", "dgemma_cli.main", "debug", "generate", str(gguf), "--prompt-ids", ids,
                "--seed", "1", "--max-new-tokens", "256", "--steps", "3", "--confidence-threshold", "1e-30",
-               "--threads", str(threads)])
+               "--threads", str(threads), "--self-cond-top-k", str(top_k)])
     steps = json.loads(next(line for line in out.splitlines() if line.startswith("{")))["timings"]["steps_s"]
     return steps[1:]
 
@@ -72,8 +76,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--self-cond-top-k", default="0", help="comma-separated k values dgemma is timed at (0: dense)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    ks = [int(k) for k in a.self_cond_top_k.split(",")]
     if a.no_peer:
         a.ggufs, a.peer = [Path(a.peer), *a.ggufs] if a.peer else a.ggufs, None
     report = {"cpu": common.cpu_info(), "peer": peer_build(a.peer) if a.peer else None, "threads": a.threads,
@@ -83,20 +89,26 @@ def main() -> None:
         with gguf.open("rb") as f:  # into the page cache before either side runs
             while f.read(1 << 24):
                 pass
-        ours, theirs = [], []
+        ours: dict[int, list[float]] = {k: [] for k in ks}
+        theirs: list[float] = []
         for _ in range(a.reps):
-            ours.append(statistics.mean(dgemma_step(gguf, a.threads, a.prompt)))
+            for k in ks:
+                ours[k].append(statistics.mean(dgemma_step(gguf, a.threads, a.prompt, k)))
             if a.peer:
                 one, three = (peer_total(a.peer, gguf, n, a.threads, a.prompt, a.peer_args.split()) for n in (1, 3))
                 theirs.append((three - one) / 2)
-        d = statistics.median(ours)
-        line = f"{gguf.name}: dgemma {d:.3f} s ({', '.join(f'{x:.3f}' for x in ours)})"
-        report["files"][gguf.name] = {"dgemma_step_s": ours}
+        entry: dict = {"dgemma_step_s": ours[ks[0]],
+                       "dgemma_step_s_by_self_cond_top_k": {str(k): v for k, v in ours.items()}}
+        parts = [f"dgemma k={k} {statistics.median(v):.3f} s ({', '.join(f'{x:.3f}' for x in v)})"
+                 for k, v in ours.items()]
         if theirs:
             p = statistics.median(theirs)
-            report["files"][gguf.name].update(peer_step_s=theirs, ratio=p / d)
-            line += f", peer {p:.3f} s ({', '.join(f'{x:.3f}' for x in theirs)}), peer / dgemma {p / d:.2f}x"
-        print(line, flush=True)
+            entry.update(peer_step_s=theirs, ratio=p / statistics.median(ours[ks[0]]),
+                         ratio_by_self_cond_top_k={str(k): p / statistics.median(v) for k, v in ours.items()})
+            parts.append(f"peer {p:.3f} s ({', '.join(f'{x:.3f}' for x in theirs)})")
+            parts += [f"peer / dgemma(k={k}) {p / statistics.median(v):.2f}x" for k, v in ours.items()]
+        report["files"][gguf.name] = entry
+        print(f"{gguf.name}: " + ", ".join(parts), flush=True)
     if a.json:
         a.json.write_text(json.dumps(report, indent=1) + "\n")
 

@@ -66,6 +66,8 @@ def generate(
     stability_threshold: Optional[int] = typer.Option(None, "--stability-threshold"),
     num_canvases: Optional[int] = typer.Option(None, "--num-canvases",
                                                help="candidate canvases denoised together (the lowest-entropy one is kept)"),
+    self_cond_top_k: Optional[int] = typer.Option(None, "--self-cond-top-k",
+                                                  help="self-conditioning from each row's k most probable tokens (0: all)"),
     threads: Threads = None,
     num_gpu: NumGpu = None,
     num_cpu_moe: NumCpuMoe = 0,
@@ -79,5 +81,5 @@ def generate(
             model, parse_ids(prompt_ids), seed=seed, rng=rng, max_new_tokens=max_new_tokens, steps=steps, t_max=t_max,
             t_min=t_min, entropy_bound=entropy_bound, confidence_threshold=confidence_threshold,
             stability_threshold=stability_threshold, threads=threads, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe,
-            num_canvases=num_canvases, adapters=adapters,
+            num_canvases=num_canvases, self_cond_top_k=self_cond_top_k, adapters=adapters,
         )

@@ -69,7 +69,8 @@ def debug_generate(model: str | os.PathLike, prompt_ids: list[int], seed: int = 
                    confidence_threshold: float | None = None, stability_threshold: int | None = None,
                    threads: int | None = None, eos_ids: Sequence[int] | None = None,
                    out: TextIO | None = None, num_gpu: int | None = None, num_cpu_moe: int = 0,
-                   num_canvases: int | None = None, adapters: Sequence = ()) -> dict[str, Any]:
+                   num_canvases: int | None = None, self_cond_top_k: int | None = None,
+                   adapters: Sequence = ()) -> dict[str, Any]:
     """Load the GGUF (with LoRA `adapters` as `Model.load` takes them), generate, print the JSON line to `out`
     (stdout) and return it as a dict."""
     if rng not in ("torch", "fast"):
@@ -82,7 +83,7 @@ def debug_generate(model: str | os.PathLike, prompt_ids: list[int], seed: int = 
         params = SamplerParams.from_metadata(
             m.metadata, max_steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
             confidence_threshold=confidence_threshold, stability_threshold=stability_threshold,
-            num_canvases=num_canvases, seed=seed, rng=rng)
+            num_canvases=num_canvases, self_cond_top_k=self_cond_top_k, seed=seed, rng=rng)
         _validate(params)
         result = run_debug_generation(m, prompt_ids, params, max_new_tokens, eos_ids=eos_ids, threads=threads,
                                       timings=True)
