@@ -124,6 +124,7 @@ def _engine() -> ctypes.CDLL:
         "dg_context_transfers": (None, [P, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
                                         ctypes.POINTER(ctypes.c_int64)]),
         "dg_context_soft_embedding": (I, [P, P, I, P, C, S]),
+        "dg_context_step_report": (C, [P]),
         # devices.c: per-layer placement (the registry and RPC servers: dgemma_engine.devices)
         "dg_model_offload": (I, [P, I, I, C, S]),
         "dg_model_unit_device": (I, [P, I, I]),
@@ -385,6 +386,23 @@ class Transfers:
         return (self.to_device + self.from_device) / self.steps if self.steps else 0.0
 
 
+@dataclass(frozen=True)
+class CpuFallback:
+    """A kind of computing node the scheduler ran on the CPU while accelerators were in use."""
+
+    op: str      # ggml's op name (a unary op by its own name)
+    reason: str  # "custom op (a CPU kernel)", "no accelerator supports it" or "weights or inputs on the CPU"
+    nodes: int
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """Where the last decoder step ran (Context.step_report; docs/engine.md#what-runs-where)."""
+
+    splits: int  # the scheduler's graph splits: runs of consecutive nodes on one device
+    cpu_fallbacks: tuple[CpuFallback, ...]
+
+
 def _load_adapters(handle: int, files: Sequence[tuple[Path, float, str]]) -> None:
     """Fold the GGUF LoRA files (path, scale, name for errors) into the model before its weights are placed."""
     lib = _engine()
@@ -581,6 +599,16 @@ class Context(_Closeable):
         _engine().dg_context_transfers(self._require(), ctypes.byref(to_dev), ctypes.byref(from_dev),
                                        ctypes.byref(steps))
         return Transfers(to_dev.value, from_dev.value, steps.value)
+
+    def step_report(self) -> StepReport:
+        """The scheduler's splits of the last decoder step and the nodes it left on the CPU (none reported when every
+        unit is on the CPU). Raises before any step."""
+        text = _engine().dg_context_step_report(self._require()).decode()
+        if not text:
+            raise EngineError("no decoder step has run in this context")
+        head, *rows = text.splitlines()
+        fallbacks = tuple(CpuFallback(op, reason, int(n)) for op, reason, n in (r.split("\t") for r in rows))
+        return StepReport(int(head.split("\t")[1]), fallbacks)
 
     def _soft_embedding(self, probs: np.ndarray) -> np.ndarray:
         """probs [n, n_vocab] · token embedding through the engine's self-conditioning graph (tests only)."""

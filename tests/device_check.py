@@ -53,6 +53,19 @@ def top_k_step(model: Model, name: str, k: int = 32) -> np.ndarray:
         return np.array(ctx.step(run["canvas"][1], sc_temperature=float(run["T"][0])))
 
 
+def step_report(model: Model) -> dict:
+    """Where a self-conditioned sampling step ran: the scheduler's splits and the nodes it left on the CPU."""
+    C = model.hparams.canvas_length
+    with Context(model, n_ctx=len(SAMPLING_PROMPT) + C, threads=THREADS) as ctx:
+        ctx.encode(SAMPLING_PROMPT)
+        canvas = [3 + i % 20 for i in range(C)]
+        uniforms = np.linspace(0.05, 0.95, C, dtype=np.float32)
+        ctx.step_reduced(canvas, 0.8, uniforms)
+        ctx.step_reduced(canvas, 0.8, uniforms, sc_temperature=0.8)
+        report = ctx.step_report()
+    return {"splits": report.splits, "cpu_fallbacks": [[f.op, f.reason, f.nodes] for f in report.cpu_fallbacks]}
+
+
 def check(ggufs: dict[str, str], placement: dict, free_running: list, reference: dict | None) -> dict:
     result: dict = {"placement": placement, "fixtures": {}}
     for name, path in ggufs.items():
@@ -77,6 +90,7 @@ def check(ggufs: dict[str, str], placement: dict, free_running: list, reference:
             timings = run_debug_generation(model, SAMPLING_PROMPT, fast, model.hparams.canvas_length, eos_ids=(),
                                            threads=THREADS, timings=True)["timings"]
             fixture["fast_host_bytes_per_step"] = timings["host_bytes_per_step"]
+            fixture["step_report"] = step_report(model)
             fixture["n_vocab"] = model.hparams.n_vocab
             for fixture_name, run in free_running:
                 if fixture_name != name:

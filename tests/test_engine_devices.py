@@ -118,9 +118,12 @@ def rpc_endpoint():
     proc.wait(timeout=30)
 
 
-def run_device_check(endpoint: str, ggufs: dict, placements: list, free_running: list) -> list[dict]:
+def run_device_check(endpoint: str | None, ggufs: dict, placements: list, free_running: list) -> list[dict]:
+    """tests/device_check.py in a child; endpoint: the RPC server it adds (None: the registry's own devices)."""
     request = {"ggufs": {k: str(v) for k, v in ggufs.items()}, "placements": placements, "free_running": free_running}
-    env = {**__import__("os").environ, "DGEMMA_RPC": endpoint}
+    env = dict(__import__("os").environ)
+    if endpoint:
+        env["DGEMMA_RPC"] = endpoint
     proc = subprocess.run([sys.executable, str(HERE / "device_check.py")], input=json.dumps(request),
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -151,6 +154,8 @@ def test_rpc_split_matches_transformers_and_generates_the_golden_sequences(gguf_
                 assert fixture["fast_host_bytes_per_step"] <= 32 * C + 4 * 2 * 64 + 4 * 256, where
                 # 4 sampling steps: five numbers per row each; then one plain step: its logits
                 assert fixture["sampling"]["transfers"]["from_device"] == 4 * 5 * 4 * C + 4 * C * fixture["n_vocab"]
+                # a self-conditioned sampling step: no node falls back to the CPU (the mapped embedding is not read)
+                assert fixture["step_report"]["cpu_fallbacks"] == [], where
             elif result["placement"] == {"num_gpu": 0}:
                 assert fixture["fast_host_bytes_per_step"] == 0, where
             offloaded[name, json.dumps(result["placement"])] = fixture["describe"]

@@ -169,6 +169,10 @@ DG_API void dg_context_transfers(const dg_context *c, uint64_t *to_device, uint6
     *steps = c->xfer_steps;
 }
 
+// Where the last decoder step ran: its splits and the kinds of node left on the CPU ("" before any step;
+// docs/engine.md#what-runs-where).
+DG_API const char *dg_context_step_report(const dg_context *c) { return c->step_report; }
+
 // out [n, H] = probs [n, V] · E through the step's sliced soft-embedding graph (no embedding scale): the soft
 // embedding a step computes, for tests/test_engine_selfcond.py.
 DG_API int dg_context_soft_embedding(dg_context *c, const float *probs, int n, float *out, char *err, size_t err_len) {

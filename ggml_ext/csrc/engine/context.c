@@ -50,6 +50,49 @@ bool dg_place_graph(dg_context *c, struct ggml_context *gctx, struct ggml_cgraph
     return true;
 }
 
+static bool computes(const struct ggml_tensor *t) {
+    switch (t->op) {
+        case GGML_OP_NONE: case GGML_OP_VIEW: case GGML_OP_RESHAPE: case GGML_OP_PERMUTE: case GGML_OP_TRANSPOSE:
+            return false;
+        default:
+            return true;
+    }
+}
+
+// Why a computing node runs on the CPU although accelerators are in use: a custom op is CPU code; an op no
+// accelerator supports; else the scheduler's choice, which follows where the node's weights and inputs are (a unit
+// placed on the CPU, or a CPU weight such as the mapped embedding read by a unit on a device).
+static const char *cpu_reason(const dg_context *c, const struct ggml_tensor *t) {
+    if (t->op == GGML_OP_CUSTOM) return "custom op (a CPU kernel)";
+    for (int d = 1; d < c->model->place.n_devices; d++) {
+        if (ggml_backend_supports_op(c->backends[d], t)) return "weights or inputs on the CPU";
+    }
+    return "no accelerator supports it";
+}
+
+void dg_graph_report(const dg_context *c, struct ggml_cgraph *gf, char *out, size_t out_len) {
+    const int splits = ggml_backend_sched_get_n_splits(c->sched);
+    enum { KINDS = 64 };
+    const char *ops[KINDS], *reasons[KINDS];
+    int counts[KINDS], n_kinds = 0;
+    for (int i = 0; c->model->place.n_devices > 1 && i < ggml_graph_n_nodes(gf); i++) {
+        struct ggml_tensor *t = ggml_graph_node(gf, i);
+        if (!computes(t) || ggml_backend_sched_get_tensor_backend(c->sched, t) != c->backends[0]) continue;
+        const char *op = ggml_op_desc(t), *reason = cpu_reason(c, t);
+        int k = 0;
+        while (k < n_kinds && (strcmp(ops[k], op) != 0 || strcmp(reasons[k], reason) != 0)) k++;
+        if (k == n_kinds) {
+            if (n_kinds == KINDS) continue;
+            ops[k] = op, reasons[k] = reason, counts[k] = 0, n_kinds++;
+        }
+        counts[k]++;
+    }
+    size_t used = (size_t)snprintf(out, out_len, "splits\t%d\n", splits);
+    for (int k = 0; k < n_kinds && used < out_len; k++) {
+        used += (size_t)snprintf(out + used, out_len - used, "%s\t%s\t%d\n", ops[k], reasons[k], counts[k]);
+    }
+}
+
 static bool run_graph(dg_context *c, struct ggml_cgraph *gf, char *err, size_t err_len) {
     const unsigned int fp_mode = dg_fp_enter_fast();  // flush subnormal attention probabilities (cpu.c)
     const enum ggml_status status = ggml_backend_sched_graph_compute(c->sched, gf);

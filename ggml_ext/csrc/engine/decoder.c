@@ -350,6 +350,7 @@ static bool run_step(dg_context *c, const int32_t *ids, int n, int n_canvases, i
     free(scratch);
     bool ok = dg_compute(c, g->gf, profile, err, err_len);
     if (ok && red) ok = read_reductions(c, g, red, n, err, err_len);
+    if (ok) dg_graph_report(c, g->gf, c->step_report, sizeof(c->step_report));
     if (c->model->place.n_devices > 1) {
         // the scheduler rewires the sources of nodes that read another device's tensors to its copies, which live
         // until the next split: a graph spanning devices is used once and rebuilt (building costs well under 1 ms)

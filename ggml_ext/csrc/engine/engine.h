@@ -187,6 +187,7 @@ typedef struct dg_context {
     // Bytes copied between the host and the devices by decoder steps (and keep_canvases), summed since the context
     // was made: the engine's own reads and writes of tensors outside host memory (dg_tensor_get/set), and the
     // scheduler's copies of split inputs (dg_count_split_copies; device to device counts as to_device).
+    char step_report[2048];  // where the last decoder step ran (dg_graph_report)
     bool counting;  // inside a step: dg_tensor_get/set count
     uint64_t xfer_to_device, xfer_from_device;
     int64_t xfer_steps;
@@ -323,6 +324,9 @@ bool dg_place_graph(dg_context *c, struct ggml_context *gctx, struct ggml_cgraph
 bool dg_compute(dg_context *c, struct ggml_cgraph *gf, double *profile, char *err, size_t err_len);
 bool dg_ids_ok(const dg_model *m, const int32_t *ids, int n, char *err, size_t err_len);
 void dg_free_step_graphs(dg_context *c);
+// Where gf, placed by the scheduler, runs: "splits\tN" then one "op\treason\tcount" line per kind of computing node
+// the scheduler gave the CPU while accelerators are in use.
+void dg_graph_report(const dg_context *c, struct ggml_cgraph *gf, char *out, size_t out_len);
 
 
 // encoder.c: encode n tokens after the cached ones (0, or -1 with err set)

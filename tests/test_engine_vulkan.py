@@ -1,0 +1,63 @@
+"""The engine on a GPU API: ggml's Vulkan backend on Mesa's lavapipe (docs/engine.md#vulkan).
+
+lavapipe is a Vulkan driver that runs on the CPU, so CI executes what a GPU backend executes (ggml's Vulkan shaders,
+its buffers, the scheduler's copies between them and the host) without a GPU. Every check of the RPC device tests runs
+here with the Vulkan device in place of the RPC server: all units on it, the last two units, and all units with the
+routed experts on the CPU. Per placement: every golden decoder call against transformers within VULKAN_TOLERANCE,
+`--rng torch` generations token-exact, sampling steps against the C sampler, and where a self-conditioned sampling
+step ran (the scheduler's splits, the nodes it left on the CPU, with why).
+
+It needs a llama-cpp-python built with `-DGGML_VULKAN=on`, which `.ci/run` builds only where Debian's Vulkan headers
+are new enough for the pinned ggml (>= 1.3.261: Debian 13); elsewhere the tests skip and say so.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dgemma_engine import devices
+from test_engine import FIXTURE_NAMES
+from test_engine_devices import run_device_check
+from test_engine_sampling import assert_agreement
+from test_generate_free_running import golden
+
+# ggml's Vulkan shaders compute these graphs in f32 (weights, activations, accumulators: the fixtures are F32), but
+# sum in another order than the CPU (subgroup reductions, tiled matmuls) and take exp/tanh from the driver's math
+# library. The fixtures' own fp32 floor against fp64 is 1.1e-5..1.5e-5 (tests/fixtures/README.md); the CPU paths
+# agree with transformers within 1e-4, and the Vulkan path is held to the same bar.
+VULKAN_TOLERANCE = 1e-4
+FREE_RUNNING = [("tiny-a", "g2_seed7"), ("tiny-b", "g3_seed42")]
+PLACEMENTS = [{"num_gpu": None}, {"num_gpu": 2}, {"num_gpu": None, "num_cpu_moe": -1}]
+
+
+def vulkan_devices() -> list[devices.Device]:
+    return [d for d in devices.list_devices() if d.name.startswith("Vulkan")]
+
+
+needs_vulkan = pytest.mark.skipif(
+    not vulkan_devices(),
+    reason="no Vulkan device in ggml's registry: llama-cpp-python was built without -DGGML_VULKAN=on (.ci/run builds "
+           "it only where Debian's Vulkan headers are >= 1.3.261, e.g. Debian 13) or no Vulkan driver is installed")
+
+
+@needs_vulkan
+def test_vulkan_device_matches_transformers_and_generates_the_golden_sequences(gguf_path):
+    ggufs = {name: gguf_path(name, "f32") for name in FIXTURE_NAMES}
+    results = run_device_check(None, ggufs, PLACEMENTS, [list(r) for r in FREE_RUNNING])
+    report = {}
+    for result in results:
+        for name, fixture in result["fixtures"].items():
+            where = f"{name} {result['placement']}: {fixture['describe']}"
+            assert "Vulkan0" in fixture["describe"], where
+            assert fixture["max_vs_transformers"] <= VULKAN_TOLERANCE, where
+            assert fixture["calls"] > 80, where
+            for run, out in fixture["runs"].items():
+                meta, _, rec = golden(name, run)
+                assert out == {"sequence": rec["seq"].tolist(), "steps_per_canvas": meta["steps_per_canvas"]}, where
+            assert_agreement(fixture["sampling"], where)
+            report[where] = {"max_vs_transformers": fixture["max_vs_transformers"], **fixture["step_report"]}
+            if result["placement"] == {"num_gpu": None}:
+                assert fixture["fast_host_bytes_per_step"] <= 32 * 16 + 4 * 2 * 64 + 4 * 256, where
+                assert fixture["step_report"]["cpu_fallbacks"] == [], where
+    print(json.dumps(report, indent=1))  # the figures docs/engine.md#vulkan reports (pytest -s shows them)
