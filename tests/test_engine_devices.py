@@ -118,10 +118,12 @@ def rpc_endpoint():
     proc.wait(timeout=30)
 
 
-def run_device_check(endpoint: str | None, ggufs: dict, placements: list, free_running: list) -> list[dict]:
-    """tests/device_check.py in a child; endpoint: the RPC server it adds (None: the registry's own devices)."""
+def run_device_check(endpoint: str | None, ggufs: dict, placements: list, free_running: list,
+                     env: dict | None = None) -> list[dict]:
+    """tests/device_check.py in a child; endpoint: the RPC server it adds (None: the registry's own devices); env:
+    more environment for the child."""
     request = {"ggufs": {k: str(v) for k, v in ggufs.items()}, "placements": placements, "free_running": free_running}
-    env = dict(__import__("os").environ)
+    env = {**__import__("os").environ, **(env or {})}
     if endpoint:
         env["DGEMMA_RPC"] = endpoint
     proc = subprocess.run([sys.executable, str(HERE / "device_check.py")], input=json.dumps(request),
