@@ -182,10 +182,13 @@ static struct ggml_tensor *build_attention(struct ggml_context *ctx, struct ggml
 
     struct ggml_tensor *keys = ggml_view_3d(ctx, kc, hd, span.len, nkv, kc->nb[2], kc->nb[1],
                                             (size_t)span.first * kc->nb[2]);  // [hd, S, nkv]
+    // off the CPU the products get contiguous operands: ggml's Vulkan backend rounds a non-contiguous one to f16
+    if (!fast) keys = ggml_cont(ctx, keys);
     struct ggml_tensor *kq = ggml_mul_mat(ctx, keys, q);                    // [S, T, nh]; GQA by broadcast
     kq = ggml_soft_max_ext(ctx, kq, mask, 1.0f, 0.0f);
     struct ggml_tensor *vals = ggml_view_3d(ctx, vc, span.len, hd, nkv, vc->nb[1], vc->nb[1] * hd,
                                             (size_t)span.first * vc->nb[0]);  // [S, hd, nkv]
+    if (!fast) vals = ggml_cont(ctx, vals);
     struct ggml_tensor *kqv = ggml_mul_mat(ctx, vals, kq);                      // [hd, T, nh]
     struct ggml_tensor *out = ggml_cont_2d(ctx, ggml_permute(ctx, kqv, 0, 2, 1, 3), hd * nh, T);
     return adapted_matmul(ctx, L, pass, DG_LORA_O, L->wo, out, fast);
