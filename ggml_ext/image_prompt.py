@@ -8,6 +8,7 @@ each image's soft tokens.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -88,3 +89,21 @@ def expand_image_markers(prompt_ids: Sequence[int], images: Sequence[Any], token
         spans.append(ImageSpan(first=len(ids), embeddings=rows))
         ids += [tokens.image] * rows.shape[0] + [tokens.eoi]
     return ImagePrompt(ids=ids, spans=tuple(spans))
+
+
+def read_image_embeds(paths: Sequence[str | os.PathLike]) -> list[np.ndarray]:
+    """`--image-embeds X.npy` files (debug commands): one float32 [n_soft, n_embd] array each, in order."""
+    arrays = []
+    for path in paths:
+        try:
+            arrays.append(np.load(path, allow_pickle=False))
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"cannot read --image-embeds {path}: {exc}") from None
+    return arrays
+
+
+def image_context_size(prompt_ids: Sequence[int], images: Sequence[Any], metadata: dict[str, Any],
+                       n_embd: int) -> tuple[ImagePrompt, int]:
+    """The expanded prompt and the longest image (soft tokens): what a context for this prompt must hold."""
+    expanded = expand_image_markers(prompt_ids, images, image_token_ids(metadata), n_embd)
+    return expanded, max((s.embeddings.shape[0] for s in expanded.spans), default=0)

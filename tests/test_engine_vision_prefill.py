@@ -196,3 +196,57 @@ def test_spans_must_lie_inside_the_prompt(model):
 def test_context_refuses_a_negative_image_budget(model):
     with pytest.raises(EngineError, match="image_rows must be in"):
         Context(model, n_ctx=128, threads=1, max_image_tokens=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `dgemma debug logits|generate --image-embeds X.npy` (repeatable)
+
+
+def write_embeds(tmp_path: Path, run: dict[str, np.ndarray]) -> list[Path]:
+    paths = []
+    for k, rows in enumerate(image_rows(run)):
+        paths.append(tmp_path / f"image{k}.npy")
+        np.save(paths[-1], rows)
+    return paths
+
+
+def test_debug_logits_with_image_embeds(tmp_path, gguf_path):
+    from dgemma_engine.debug import debug_logits
+
+    run = load_case("two")
+    out = tmp_path / "out.npy"
+    debug_logits(gguf_path("tiny-v", "f32"), run["marker_prompt"].tolist(), run["canvas"][0].tolist(), None, 1.0,
+                 out, 1, image_embeds=write_embeds(tmp_path, run))
+    assert np.abs(np.load(out) - run["raw"][0]).max() < TOLERANCE
+
+
+def test_debug_generate_with_image_embeds_is_token_exact(tmp_path, gguf_path):
+    import io
+
+    from dgemma_engine.debug import debug_generate
+
+    run = load_case("square")
+    meta = INDEX["cases"]["square"]
+    gen = INDEX["generation_configs"][meta["generation_config"]]
+    result = debug_generate(gguf_path("tiny-v", "f32"), run["marker_prompt"].tolist(), seed=meta["seed"], rng="torch",
+                            max_new_tokens=gen["max_new_tokens"], steps=gen["max_denoising_steps"], t_max=gen["t_max"],
+                            t_min=gen["t_min"], entropy_bound=gen["entropy_bound"],
+                            confidence_threshold=gen["confidence_threshold"],
+                            stability_threshold=gen["stability_threshold"], threads=1, eos_ids=gen["eos_token_id"],
+                            out=io.StringIO(), image_embeds=write_embeds(tmp_path, run))
+    assert result["sequence"] == run["seq"].tolist()
+    assert result["steps_per_canvas"] == meta["steps_per_canvas"]
+
+
+def test_debug_image_embeds_errors(tmp_path, gguf_path):
+    from dgemma_engine.debug import debug_logits
+
+    run = load_case("square")
+    missing = tmp_path / "missing.npy"
+    with pytest.raises(EngineError, match="cannot read --image-embeds"):
+        debug_logits(gguf_path("tiny-v", "f32"), run["marker_prompt"].tolist(), [5] * 16, None, 1.0,
+                     tmp_path / "o.npy", 1, image_embeds=[missing])
+    with pytest.raises(EngineError, match=r"0 image marker\(s\)"):
+        debug_logits(gguf_path("tiny-v", "f32"), [2, 10, 11], [5] * 16, None, 1.0, tmp_path / "o.npy", 1,
+                     image_embeds=write_embeds(tmp_path, run))
+    assert not (tmp_path / "o.npy").exists()
