@@ -30,9 +30,12 @@ int dg_kv_sliding_slots(const dg_model *m, int max_canvases, int image_rows, int
 }
 
 // dg_kv_make_room keeps at most W − 1 + KEY_MULTIPLE − 1 visible slots; the rest of a sliding cache takes new rows.
-// A cache as large as the whole context never moves, so any pass fits.
+// A cache as large as the whole context never moves, so any pass fits; so does any pass of a model without sliding
+// layers.
 int dg_kv_pass_rows(const dg_context *c) {
-    if (c->swa_cap >= c->n_slots) return c->n_ctx;
+    bool any_sliding = false;
+    for (int il = 0; il < c->model->hp.n_layer; il++) any_sliding = any_sliding || c->model->layers[il].sliding;
+    if (!any_sliding || c->swa_cap >= c->n_slots) return c->n_ctx;
     return c->swa_cap - (c->model->hp.sliding_window - 1 + KEY_MULTIPLE - 1);
 }
 
