@@ -109,6 +109,22 @@ def test_block_mask_is_needed(model):
         assert np.abs(causal - run["raw"][0]).max() > 0.1
 
 
+def test_image_after_a_long_prefix_is_independent_of_the_sliding_cache_size(model):
+    """100 text tokens before the image: with room for exactly one image pass the sliding caches move their visible
+    tail to the front between chunks (kv_cache.c); with room for everything they never move. Same step either way."""
+    run = load_case("square")
+    marker_prompt = [2] + [10 + k % 200 for k in range(100)] + run["marker_prompt"][1:].tolist()
+    tokens = image_token_ids(model.metadata)
+    expanded = expand_image_markers(marker_prompt, image_rows(run), tokens, model.hparams.n_embd)
+    n_ctx = len(expanded.ids) + model.hparams.canvas_length
+    steps = []
+    for room in (64, n_ctx):  # 64: a sliding cache of W − 1 + 15 + 64 = 130 slots < n_ctx; n_ctx: all of it
+        with Context(model, n_ctx=n_ctx, threads=1, max_image_tokens=room) as ctx:
+            ctx.encode_images(expanded.ids, expanded.spans)
+            steps.append(ctx.step(run["canvas"][0]).copy())
+    assert np.abs(steps[0] - steps[1]).max() < 1e-5
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_torch_rng_generation_is_token_exact(model, case):
     run = load_case(case)
