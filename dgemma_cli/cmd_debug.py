@@ -20,6 +20,8 @@ NumGpu = Annotated[Optional[int], typer.Option("--num-gpu", help="layers on acce
 NumCpuMoe = Annotated[int, typer.Option("--num-cpu-moe", help="first N layers keep their experts on the CPU")]
 Lora = Annotated[Optional[List[str]], typer.Option(
     "--lora", help="LoRA adapter: a GGUF LoRA file or a PEFT adapter folder; PATH:SCALE scales it (default 1); repeatable")]
+ImageEmbeds = Annotated[Optional[List[Path]], typer.Option(
+    "--image-embeds", help=".npy of one image's embeddings, float32 (n_soft, n_embd), per image marker of the prompt; repeatable")]
 
 
 def adapter_files(values: Optional[List[str]]):
@@ -42,13 +44,14 @@ def logits(
     num_gpu: NumGpu = None,
     num_cpu_moe: NumCpuMoe = 0,
     lora: Lora = None,
+    image_embeds: ImageEmbeds = None,
 ) -> None:
     """Write the softcapped decoder logits for one denoising step (prompt encoded first)."""
     from dgemma_engine.debug import debug_logits
 
     with adapter_files(lora) as adapters:
         debug_logits(model, parse_ids(prompt_ids), parse_ids(canvas_ids), sc_logits, sc_temperature, out, threads,
-                     adapters=adapters, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe)
+                     adapters=adapters, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe, image_embeds=image_embeds or [])
 
 
 @app.command("generate")
@@ -72,6 +75,7 @@ def generate(
     num_gpu: NumGpu = None,
     num_cpu_moe: NumCpuMoe = 0,
     lora: Lora = None,
+    image_embeds: ImageEmbeds = None,
 ) -> None:
     """Print JSON {"sequence": [...], "steps_per_canvas": [...]} for one generation."""
     from dgemma_engine.debug import debug_generate
@@ -82,4 +86,5 @@ def generate(
             t_min=t_min, entropy_bound=entropy_bound, confidence_threshold=confidence_threshold,
             stability_threshold=stability_threshold, threads=threads, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe,
             num_canvases=num_canvases, self_cond_top_k=self_cond_top_k, adapters=adapters,
+            image_embeds=image_embeds or [],
         )

@@ -9,24 +9,33 @@ from typing import Sequence
 import numpy as np
 
 from dgemma_engine.errors import EngineError
+from dgemma_engine.image_prompt import image_context_size, read_image_embeds
 from dgemma_engine.model import Context, Model
 
 
 def debug_logits(model: str | os.PathLike, prompt_ids: list[int], canvas_ids: list[int],
                  sc_logits: str | os.PathLike | None, sc_temperature: float, out: str | os.PathLike,
                  threads: int | None = None, adapters: Sequence = (), num_gpu: int | None = None,
-                 num_cpu_moe: int = 0) -> None:
+                 num_cpu_moe: int = 0, image_embeds: Sequence[str | os.PathLike] = ()) -> None:
     """Write float32 [len(canvas_ids), vocab]: the softcapped logits of one decoder step after encoding the prompt.
 
     With `sc_logits` (an .npy of the previous step's *raw* logits) the step is self-conditioned on them, tempered by
     `sc_temperature` inside the engine; without it the step is the first of a canvas. `adapters`, `num_gpu`,
-    `num_cpu_moe`: as `Model.load` takes them (the placement, so parity is checked per placement)."""
+    `num_cpu_moe`: as `Model.load` takes them (the placement, so parity is checked per placement). `image_embeds`:
+    one .npy (float32 [n_soft, n_embd]) per image marker of the prompt (docs/engine.md#prefill-with-images)."""
     if not canvas_ids:
         raise EngineError("--canvas-ids must not be empty")
+    images = read_image_embeds(image_embeds)
     with Model.load(model, threads=threads, adapters=adapters, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe) as m:
         previous = _load_sc_logits(sc_logits, len(canvas_ids), m.hparams.n_vocab) if sc_logits else None
-        with Context(m, n_ctx=len(prompt_ids) + len(canvas_ids), threads=threads) as ctx:
-            ctx.encode(prompt_ids)
+        expanded, longest = (image_context_size(prompt_ids, images, m.metadata, m.hparams.n_embd) if images
+                             else (None, 0))
+        n_prompt = len(expanded.ids) if expanded else len(prompt_ids)
+        with Context(m, n_ctx=n_prompt + len(canvas_ids), threads=threads, max_image_tokens=longest) as ctx:
+            if expanded:
+                ctx.encode_images(expanded.ids, expanded.spans)
+            else:
+                ctx.encode(prompt_ids)
             if previous is not None:
                 ctx.set_self_cond_logits(previous)
                 logits = ctx.step(canvas_ids, sc_temperature=sc_temperature)

@@ -18,6 +18,7 @@ from dgemma_engine.errors import EngineError
 from dgemma_engine.generate import (CanvasEvent, DoneEvent, SamplerParams, StepEvent, eos_ids_from_metadata, generate,
                                     torch_compatible_sequence)
 from dgemma_engine.gguf_keys import KEY_PADDING_ID
+from dgemma_engine.image_prompt import image_context_size, read_image_embeds
 from dgemma_engine.model import Context, Model
 from dgemma_engine.settings import SettingError, check_values
 
@@ -25,12 +26,18 @@ from dgemma_engine.settings import SettingError, check_values
 def run_debug_generation(model: Model, prompt_ids: Sequence[int], params: SamplerParams, max_new_tokens: int,
                          eos_ids: Sequence[int] | None = None, pad_id: int | None = -1,
                          threads: int | None = None, timings: bool = False,
-                         sample_on_device: bool | None = None) -> dict[str, Any]:
+                         sample_on_device: bool | None = None, images: Sequence[Any] = ()) -> dict[str, Any]:
     """Generate on a loaded model; returns {"sequence", "steps_per_canvas"} (and "timings" when asked). eos_ids None:
     the GGUF's stop ids (eos_ids_from_metadata); pad_id -1: the GGUF's padding id (None: no padding after EOS).
-    sample_on_device: as `generate` takes it (None: where the logits live decides)."""
+    sample_on_device: as `generate` takes it (None: where the logits live decides). images: one float32
+    [n_soft, n_embd] array per image marker; the sequence then starts with the expanded prompt, as transformers'."""
     if not prompt_ids:
         raise EngineError("--prompt-ids must not be empty")
+    longest = 0
+    marker_prompt = prompt_ids
+    if len(images):
+        expanded, longest = image_context_size(prompt_ids, images, model.metadata, model.hparams.n_embd)
+        prompt_ids = expanded.ids
     C = model.hparams.canvas_length
     if eos_ids is None:
         eos_ids = eos_ids_from_metadata(model.metadata)
@@ -42,9 +49,10 @@ def run_debug_generation(model: Model, prompt_ids: Sequence[int], params: Sample
     step_seconds: list[float] = []
     prefill_s = 0.0
     host_bytes_per_step = 0.0
-    with Context(model, n_ctx=n_ctx, threads=threads, max_canvases=params.num_canvases) as ctx:
-        for event in generate(ctx, prompt_ids, params, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                              threads=threads, sample_on_device=sample_on_device):
+    with Context(model, n_ctx=n_ctx, threads=threads, max_canvases=params.num_canvases,
+                 max_image_tokens=longest) as ctx:
+        for event in generate(ctx, marker_prompt, params, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                              threads=threads, sample_on_device=sample_on_device, images=images):
             match event:
                 case CanvasEvent():
                     canvases.append(event)
@@ -69,16 +77,17 @@ def debug_generate(model: str | os.PathLike, prompt_ids: list[int], seed: int = 
                    confidence_threshold: float | None = None, stability_threshold: int | None = None,
                    threads: int | None = None, eos_ids: Sequence[int] | None = None,
                    out: TextIO | None = None, num_gpu: int | None = None, num_cpu_moe: int = 0,
-                   num_canvases: int | None = None, self_cond_top_k: int | None = None,
-                   adapters: Sequence = ()) -> dict[str, Any]:
+                   num_canvases: int | None = None, self_cond_top_k: int | None = None, adapters: Sequence = (),
+                   image_embeds: Sequence[str | os.PathLike] = ()) -> dict[str, Any]:
     """Load the GGUF (with LoRA `adapters` as `Model.load` takes them), generate, print the JSON line to `out`
-    (stdout) and return it as a dict."""
+    (stdout) and return it as a dict. `image_embeds`: one .npy (float32 [n_soft, n_embd]) per image marker."""
     if rng not in ("torch", "fast"):
         raise EngineError(f"--rng must be 'torch' or 'fast', got {rng!r}")
     if max_new_tokens < 1:
         raise EngineError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if seed < 0:
         raise EngineError(f"--seed must be >= 0, got {seed}")
+    images = read_image_embeds(image_embeds)
     with Model.load(model, threads=threads, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe, adapters=adapters) as m:
         params = SamplerParams.from_metadata(
             m.metadata, max_steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,
@@ -86,7 +95,7 @@ def debug_generate(model: str | os.PathLike, prompt_ids: list[int], seed: int = 
             num_canvases=num_canvases, self_cond_top_k=self_cond_top_k, seed=seed, rng=rng)
         _validate(params)
         result = run_debug_generation(m, prompt_ids, params, max_new_tokens, eos_ids=eos_ids, threads=threads,
-                                      timings=True)
+                                      timings=True, images=images)
     stream = out if out is not None else sys.stdout
     stream.write(json.dumps(result) + "\n")
     stream.flush()

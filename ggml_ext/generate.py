@@ -32,6 +32,7 @@ import numpy as np
 
 from dgemma_engine.errors import EngineError
 from dgemma_engine.events import CanvasEvent, DoneEvent, Event, GenerationStats, StepEvent
+from dgemma_engine.image_prompt import expand_image_markers, image_token_ids
 from dgemma_engine.sampler import Sampler
 from dgemma_engine.settings import SamplerParams  # re-exported: callers import it from here
 from dgemma_engine import gguf_keys
@@ -164,7 +165,8 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
              eos_ids: Sequence[int] | None = RELEASED_EOS_IDS, tokenizer: Any = None,
              cancel: threading.Event | None = None, threads: int | None = None,
              constraint: CanvasConstraint | None = None, checker: CanvasChecker | None = None,
-             self_correct: bool = True, sample_on_device: bool | None = None) -> Iterator[Event]:
+             self_correct: bool = True, sample_on_device: bool | None = None,
+             images: Sequence[np.ndarray] = ()) -> Iterator[Event]:
     """Generate after `prompt_ids` (appended to whatever `ctx` has cached). Yields StepEvent per step, CanvasEvent
     per committed canvas and one final DoneEvent. The token budget is in whole canvases: ceil(max_new_tokens / C).
     `cancel` is checked between steps. Raises EngineError on unusable input (nothing to condition on, a prompt that
@@ -172,12 +174,18 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
     constrained MAP decode of the last step's logits instead of the argmax canvas (docs/generation.md, "Structured
     output"). `checker`: the task's rules (dgemma_engine.tasks), used to choose among candidates and, with
     `self_correct`, to renoise positions that break them. `sample_on_device`: reduce each step's logits in the graph
-    (True), hand them to the C sampler (False), or choose by where they live (None; see _sample_on_device)."""
+    (True), hand them to the C sampler (False), or choose by where they live (None; see _sample_on_device).
+    `images`: one float32 [n_soft, n_embd] array (the projector's output) per image marker in `prompt_ids`; each
+    marker is expanded to boi, image × n_soft, eoi (dgemma_engine.image_prompt) and the prompt is encoded with them."""
     params = params or SamplerParams()
     model = ctx.model
     C = int(model.hparams.canvas_length)
     V = int(model.hparams.n_vocab)
     prompt = [int(t) for t in prompt_ids]
+    image_spans: tuple = ()
+    if len(images):
+        expanded = expand_image_markers(prompt, images, image_token_ids(model.metadata), int(model.hparams.n_embd))
+        prompt, image_spans = expanded.ids, expanded.spans
     if max_new_tokens < 1:
         raise EngineError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if not prompt and ctx.n_past == 0:
@@ -206,7 +214,9 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
                 for k in range(n_candidates)]
     try:
         start = time.perf_counter()
-        if prompt:
+        if image_spans:
+            ctx.encode_images(prompt, image_spans)
+        elif prompt:
             ctx.encode(prompt)
         denoise_start = time.perf_counter()
         stats = GenerationStats(prompt_tokens=len(prompt), prompt_eval_s=denoise_start - start, canvases=0,

@@ -25,6 +25,7 @@ import numpy as np
 
 from dgemma_engine._lib import load_library
 from dgemma_engine.errors import EngineError
+from dgemma_engine.image_prompt import ImageSpan
 
 log = logging.getLogger("dgemma.engine")
 
@@ -108,10 +109,12 @@ def _engine() -> ctypes.CDLL:
         "dg_adapter_check": (I, [C, C, C, S]),
         "dg_model_n_adapters": (I, [P]),
         "dg_context_new_multi": (P, [P, I, I, I, C, S]),
+        "dg_context_new_images": (P, [P, I, I, I, I, C, S]),
         "dg_context_free": (None, [P]),
         "dg_context_n_past": (I, [P]),
         "dg_context_reset": (None, [P]),
         "dg_context_encode": (I, [P, P, I, C, S]),
+        "dg_context_encode_images": (I, [P, P, I, P, I, P, C, S]),
         "dg_context_step_canvases": (P, [P, P, I, I, I, F, C, S]),
         "dg_context_step_profiled": (P, [P, P, I, I, F, P, C, S]),
         "dg_context_step_reduced": (I, [P, P, I, I, I, F, F, P, P, P, P, C, S]),
@@ -428,19 +431,23 @@ def _token_array(ids, n_vocab: int, what: str) -> np.ndarray:
 
 class Context(_Closeable):
     """K/V cache + decoder state for one sequence. `max_canvases`: the most candidate canvases one step may denoise
-    together (num_canvases); each beyond the first costs one canvas of cache scratch and of logits."""
+    together (num_canvases); each beyond the first costs one canvas of cache scratch and of logits.
+    `max_image_tokens`: the most soft tokens one image may have (an image is encoded in one pass, so the sliding-window
+    caches keep room for that many rows; 0: text only, images up to one pass of the text path fit)."""
 
-    def __init__(self, model: Model, n_ctx: int = 4096, threads: int | None = None, max_canvases: int = 1):
+    def __init__(self, model: Model, n_ctx: int = 4096, threads: int | None = None, max_canvases: int = 1,
+                 max_image_tokens: int = 0):
         self.model = model
         self._n_vocab = model.hparams.n_vocab
         threads = _default_threads(threads if threads is not None else model.threads)
         err = ctypes.create_string_buffer(_ERR_LEN)
-        self._handle = _engine().dg_context_new_multi(model._require(), int(n_ctx), threads, int(max_canvases), err,
-                                                      _ERR_LEN)
+        self._handle = _engine().dg_context_new_images(model._require(), int(n_ctx), threads, int(max_canvases),
+                                                       int(max_image_tokens), err, _ERR_LEN)
         if not self._handle:
             raise EngineError(f"cannot create a context: {_error(err)}")
         self.n_ctx = int(n_ctx)
         self.max_canvases = int(max_canvases)
+        self.max_image_tokens = int(max_image_tokens)
         self._sc_top_k = 0
         model._contexts.add(self)
 
@@ -458,6 +465,26 @@ class Context(_Closeable):
         arr = _token_array(ids, self._n_vocab, "token ids")
         err = ctypes.create_string_buffer(_ERR_LEN)
         if _engine().dg_context_encode(self._require(), arr.ctypes.data, arr.size, err, _ERR_LEN) != 0:
+            raise EngineError(_error(err))
+
+    def encode_images(self, ids, spans: Sequence[ImageSpan]) -> None:
+        """`encode` where the rows of each span take its embeddings (float32 [rows, n_embd]) instead of their tokens'
+        scaled embeddings and attend bidirectionally within the span (dgemma_engine.image_prompt makes the spans)."""
+        arr = _token_array(ids, self._n_vocab, "token ids")
+        n_embd = self.model.hparams.n_embd
+        pairs = np.zeros((len(spans), 2), dtype=np.int32)
+        rows = []
+        for k, span in enumerate(spans):
+            emb = np.asarray(span.embeddings)
+            if emb.ndim != 2 or emb.shape[0] < 1 or emb.shape[1] != n_embd:
+                raise EngineError(f"image {k}: embeddings must be float32 [n_soft, {n_embd}], got shape "
+                                  f"{list(emb.shape)}")
+            pairs[k] = (span.first, emb.shape[0])
+            rows.append(np.ascontiguousarray(emb, dtype=np.float32))
+        embd = np.ascontiguousarray(np.concatenate(rows) if rows else np.zeros((0, n_embd), np.float32))
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        if _engine().dg_context_encode_images(self._require(), arr.ctypes.data, arr.size, pairs.ctypes.data,
+                                              len(spans), embd.ctypes.data, err, _ERR_LEN) != 0:
             raise EngineError(_error(err))
 
     def commit(self, ids) -> None:

@@ -100,7 +100,13 @@ DG_API int dg_devices_describe(char *out, size_t out_len) { return dg_devices_li
 // max_canvases: the most candidate canvases one step may hold (1 for plain generation).
 DG_API dg_context *dg_context_new_multi(dg_model *m, int n_ctx, int n_threads, int max_canvases, char *err,
                                         size_t err_len) {
-    return dg_context_create(m, n_ctx, n_threads, max_canvases, err, err_len);
+    return dg_context_create(m, n_ctx, n_threads, max_canvases, 0, err, err_len);
+}
+
+// image_rows: the longest image block (soft tokens) one encoder pass must take whole; it sizes the sliding caches.
+DG_API dg_context *dg_context_new_images(dg_model *m, int n_ctx, int n_threads, int max_canvases, int image_rows,
+                                         char *err, size_t err_len) {
+    return dg_context_create(m, n_ctx, n_threads, max_canvases, image_rows, err, err_len);
 }
 
 DG_API void dg_context_free(dg_context *c) { dg_context_destroy(c); }
@@ -110,7 +116,16 @@ DG_API void dg_context_reset(dg_context *c) { dg_context_clear(c); }
 DG_API int dg_context_n_past(const dg_context *c) { return c->n_past; }
 
 DG_API int dg_context_encode(dg_context *c, const int32_t *ids, int n, char *err, size_t err_len) {
-    return dg_encode(c, ids, n, err, err_len);
+    return dg_encode(c, ids, n, NULL, err, err_len);
+}
+
+// dg_context_encode with images: spans = n_spans (first row, rows) pairs over ids, ascending and disjoint; embd =
+// float32 [Σ rows, n_embd], span after span. Those rows take the embeddings instead of their tokens' and attend
+// bidirectionally within their span.
+DG_API int dg_context_encode_images(dg_context *c, const int32_t *ids, int n, const int32_t *spans, int n_spans,
+                                    const float *embd, char *err, size_t err_len) {
+    const dg_image_rows images = {.spans = spans, .n_spans = n_spans, .embd = embd};
+    return dg_encode(c, ids, n, &images, err, err_len);
 }
 
 // One step over n_canvases candidate canvases of n / n_canvases rows each (ids: canvas after canvas); logits rows in

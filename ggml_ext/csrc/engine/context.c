@@ -244,7 +244,7 @@ static bool alloc_state(dg_context *c, char *err, size_t err_len) {
         }
     }
     const int64_t step_rows = (int64_t)c->max_canvases * m->hp.canvas_length;
-    c->swa_cap = dg_kv_sliding_slots(m, c->max_canvases, n_slots);
+    c->swa_cap = dg_kv_sliding_slots(m, c->max_canvases, c->image_rows, n_slots);
     for (int il = 0; il < L; il++) {
         const dg_layer *ly = &m->layers[il];
         struct ggml_context *ctx = c->ctx_state[p->unit_device[il]];
@@ -284,7 +284,8 @@ static bool alloc_state(dg_context *c, char *err, size_t err_len) {
 }
 
 // max_canvases: the most candidate canvases one step may hold (1 for plain generation).
-dg_context *dg_context_create(dg_model *m, int n_ctx, int n_threads, int max_canvases, char *err, size_t err_len) {
+dg_context *dg_context_create(dg_model *m, int n_ctx, int n_threads, int max_canvases, int image_rows, char *err,
+                              size_t err_len) {
     if (err && err_len) err[0] = 0;
     if (n_ctx < 1 || n_ctx > (1 << 24)) {
         dg_set_err(err, err_len, "n_ctx must be in [1, %d], got %d", 1 << 24, n_ctx);
@@ -292,6 +293,10 @@ dg_context *dg_context_create(dg_model *m, int n_ctx, int n_threads, int max_can
     }
     if (max_canvases < 1 || max_canvases > DG_MAX_CANDIDATES) {
         dg_set_err(err, err_len, "max_canvases must be in [1, %d], got %d", DG_MAX_CANDIDATES, max_canvases);
+        return NULL;
+    }
+    if (image_rows < 0 || image_rows > n_ctx) {
+        dg_set_err(err, err_len, "image_rows must be in [0, n_ctx %d], got %d", n_ctx, image_rows);
         return NULL;
     }
     const int64_t scratch = (int64_t)(max_canvases - 1) * m->hp.canvas_length;
@@ -308,6 +313,7 @@ dg_context *dg_context_create(dg_model *m, int n_ctx, int n_threads, int max_can
     c->model = m;
     c->n_ctx = n_ctx;
     c->max_canvases = max_canvases;
+    c->image_rows = image_rows;
     c->n_slots = (int)(n_ctx + scratch);
     c->last = -1;
     c->steps_n_past = c->steps_swa_base = c->steps_n_rows = c->steps_n_canvases = -1;

@@ -156,6 +156,7 @@ typedef struct dg_context {
     int n_ctx;
     int n_past;
     int max_canvases;  // candidate canvases one decoder step may hold: their rows follow n_past as scratch
+    int image_rows;    // the longest image block one encoder pass must take whole (0: text only)
     int n_slots;       // slots of a full layer's cache: n_ctx + (max_canvases - 1) canvases of scratch
     ggml_backend_t backends[DG_MAX_DEVICES];  // per placement device; [0] = the CPU
     ggml_backend_sched_t sched;                // runs every graph: accelerators first, the CPU last
@@ -303,7 +304,9 @@ void dg_count_split_copies(dg_context *c, struct ggml_cgraph *gf);
 
 // kv_cache.c: the K/V ring
 int dg_encode_chunk_rows(const dg_model *m);  // rows per encoder pass
-int dg_kv_sliding_slots(const dg_model *m, int max_canvases, int n_slots);  // slots of a sliding layer's cache
+// slots of a sliding layer's cache: the visible tail plus one pass of max(canvases, chunk, image_rows) new rows
+int dg_kv_sliding_slots(const dg_model *m, int max_canvases, int image_rows, int n_slots);
+int dg_kv_pass_rows(const dg_context *c);  // the most new rows one encoder pass may hold (the sliding caches' room)
 int dg_kv_slot(const dg_context *c, int il, int pos);  // the cache slot of position pos in layer il
 // room in the sliding caches for n rows after n_past (moves the still-visible tail to the front: swa_base changes)
 bool dg_kv_make_room(dg_context *c, int n, char *err, size_t err_len);
@@ -312,7 +315,9 @@ dg_attn_span dg_kv_span(const dg_context *c, int il, int n_past, int n_new);
 void dg_kv_clear_tail(dg_context *c, int n_past, int n_new);  // zero the trailing padding slots of those spans
 
 // context.c: a context's lifecycle, placing and running its graphs, profiling
-dg_context *dg_context_create(dg_model *m, int n_ctx, int n_threads, int max_canvases, char *err, size_t err_len);
+// image_rows: the longest image block the context must encode in one pass (0 for text only)
+dg_context *dg_context_create(dg_model *m, int n_ctx, int n_threads, int max_canvases, int image_rows, char *err,
+                              size_t err_len);
 void dg_context_destroy(dg_context *c);
 void dg_context_clear(dg_context *c);  // forget every cached token and logits
 size_t dg_graph_nodes(const dg_model *m);
@@ -329,8 +334,17 @@ void dg_free_step_graphs(dg_context *c);
 void dg_graph_report(const dg_context *c, struct ggml_cgraph *gf, char *out, size_t out_len);
 
 
-// encoder.c: encode n tokens after the cached ones (0, or -1 with err set)
-int dg_encode(dg_context *c, const int32_t *ids, int n, char *err, size_t err_len);
+// Image rows of an encoder pass: n_spans (first row, rows) pairs over the ids, ascending and disjoint, and their
+// embeddings (float32 [Σ rows, n_embd], span after span), which replace those rows' scaled token embeddings; each
+// span is one bidirectional block of the encoder mask.
+typedef struct dg_image_rows {
+    const int32_t *spans;
+    int n_spans;
+    const float *embd;
+} dg_image_rows;
+
+// encoder.c: encode n tokens after the cached ones (0, or -1 with err set); images NULL: text only
+int dg_encode(dg_context *c, const int32_t *ids, int n, const dg_image_rows *images, char *err, size_t err_len);
 
 // decoder.c: the decoder step and the logits buffers it reads and writes
 float *dg_step(dg_context *c, const int32_t *ids, int n, int n_canvases, int use_self_cond, float inv_temp,

@@ -21,11 +21,22 @@ int dg_encode_chunk_rows(const dg_model *m) {
     return m->hp.canvas_length > MIN_ENCODE_CHUNK ? m->hp.canvas_length : MIN_ENCODE_CHUNK;
 }
 
-int dg_kv_sliding_slots(const dg_model *m, int max_canvases, int n_slots) {
+int dg_kv_sliding_slots(const dg_model *m, int max_canvases, int image_rows, int n_slots) {
     const int64_t step_rows = (int64_t)max_canvases * m->hp.canvas_length;
-    const int64_t new_rows = step_rows > dg_encode_chunk_rows(m) ? step_rows : dg_encode_chunk_rows(m);
+    int64_t new_rows = step_rows > dg_encode_chunk_rows(m) ? step_rows : dg_encode_chunk_rows(m);
+    if (image_rows > new_rows) new_rows = image_rows;  // an image block is encoded in one pass (encoder.c)
     const int64_t swa_cap = (int64_t)m->hp.sliding_window - 1 + KEY_MULTIPLE - 1 + new_rows;
     return swa_cap < n_slots ? (int)swa_cap : n_slots;
+}
+
+// dg_kv_make_room keeps at most W − 1 + KEY_MULTIPLE − 1 visible slots; the rest of a sliding cache takes new rows.
+// A cache as large as the whole context never moves, so any pass fits; so does any pass of a model without sliding
+// layers.
+int dg_kv_pass_rows(const dg_context *c) {
+    bool any_sliding = false;
+    for (int il = 0; il < c->model->hp.n_layer; il++) any_sliding = any_sliding || c->model->layers[il].sliding;
+    if (!any_sliding || c->swa_cap >= c->n_slots) return c->n_ctx;
+    return c->swa_cap - (c->model->hp.sliding_window - 1 + KEY_MULTIPLE - 1);
 }
 
 int dg_kv_slot(const dg_context *c, int il, int pos) {
