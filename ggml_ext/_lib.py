@@ -7,6 +7,7 @@ libraries resident (matched by SONAME), so this process holds one ggml whatever 
 import ctypes
 import functools
 import glob
+import logging
 import os
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -22,4 +23,18 @@ def load_library(name: str) -> ctypes.CDLL:
     matches = sorted(glob.glob(os.path.join(_HERE, f"_{name}.*so")))
     if not matches:
         raise ImportError(f"dgemma's native library '_{name}' is not built; reinstall with `pip install -e .`")
-    return ctypes.CDLL(matches[0])
+    lib = ctypes.CDLL(matches[0])
+    if name == "engine":
+        _load_registry(lib)
+    return lib
+
+
+def _load_registry(lib: ctypes.CDLL) -> None:
+    """Load ggml's backend registry once, before anything else uses it, with what backends print on stderr as they
+    load (e.g. the Vulkan backend's device list, or "No devices found.") moved to the debug log."""
+    buf = ctypes.create_string_buffer(8192)
+    lib.dg_devices_load.restype, lib.dg_devices_load.argtypes = ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t]
+    lib.dg_devices_load(buf, len(buf))
+    for line in buf.value.decode("utf-8", "replace").splitlines():
+        if line.strip():
+            logging.getLogger("dgemma.engine").debug("ggml: %s", line)

@@ -94,6 +94,9 @@ DG_API int dg_rpc_start_server(const char *endpoint, int n_threads, char *err, s
 // The devices in ggml's registry, one "name\tdescription\ttype\tfree\ttotal" line each (for logs and tests).
 DG_API int dg_devices_describe(char *out, size_t out_len) { return dg_devices_list(out, out_len); }
 
+// The first use of ggml's registry, with what its backends print as they load captured into out (devices.c).
+DG_API int dg_devices_load(char *out, size_t out_len) { return dg_registry_load(out, out_len); }
+
 // ---------------------------------------------------------------------------------------------------------------
 // context: encode, decoder steps, logits
 

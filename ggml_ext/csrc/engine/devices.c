@@ -8,11 +8,40 @@
 //
 // Weights of a unit on an accelerator are copied from the mapping into a buffer of that device, and the layer's
 // pointers are switched to the copies; weights on the CPU stay in the mapping (the fast path, nothing copied).
+#define _POSIX_C_SOURCE 200809L  // dup, dup2, fileno under -std=c11
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "engine.h"
+
+// ggml's registry loads its backends on first use, and some announce themselves on stderr from C++ streams, outside
+// ggml's log callback (the Vulkan backend lists its devices, or prints "No devices found." where it has none). That
+// first use runs here with file descriptor 2 pointed at a temporary file, whose text is returned for the caller's log:
+// a CLI's one-line errors stay one line. Returns the device count.
+int dg_registry_load(char *out, size_t out_len) {
+    if (out && out_len) out[0] = 0;
+    fflush(stderr);
+    FILE *captured = tmpfile();
+    const int saved = captured ? dup(2) : -1;
+    if (saved < 0 || dup2(fileno(captured), 2) < 0) {  // cannot capture: load with stderr as it is
+        if (saved >= 0) close(saved);
+        if (captured) fclose(captured);
+        return (int)ggml_backend_dev_count();
+    }
+    const int n = (int)ggml_backend_dev_count();
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    if (out && out_len) {
+        rewind(captured);
+        const size_t got = fread(out, 1, out_len - 1, captured);
+        out[got] = 0;
+    }
+    fclose(captured);
+    return n;
+}
 
 static bool is_accelerator(ggml_backend_dev_t dev) {
     const enum ggml_backend_dev_type t = ggml_backend_dev_type(dev);

@@ -230,6 +230,8 @@ bool dg_lora_check(dg_model *m, const char *path, char *err, size_t err_len);
 void dg_lora_free(dg_model *m);
 
 // devices.c: ggml's device registry, RPC servers, per-layer weight placement
+// loads the registry with stderr captured into out (what backends print as they load); returns the device count
+int dg_registry_load(char *out, size_t out_len);
 bool dg_rpc_has_backend(void);
 bool dg_rpc_add(const char *endpoint, char *err, size_t err_len);
 // serves this process's CPU; returns only when the server cannot start (err set)
