@@ -33,8 +33,9 @@ def _load_registry(lib: ctypes.CDLL) -> None:
     """Load ggml's backend registry once, before anything else uses it, with what backends print on stderr as they
     load (e.g. the Vulkan backend's device list, or "No devices found.") moved to the debug log."""
     buf = ctypes.create_string_buffer(8192)
-    lib.dg_devices_load.restype, lib.dg_devices_load.argtypes = ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t]
-    lib.dg_devices_load(buf, len(buf))
+    load = getattr(lib, "dg_devices_load")
+    load.restype, load.argtypes = ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t]
+    load(buf, len(buf))
     for line in buf.value.decode("utf-8", "replace").splitlines():
         if line.strip():
             logging.getLogger("dgemma.engine").debug("ggml: %s", line)
