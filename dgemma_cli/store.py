@@ -41,6 +41,7 @@ MEDIA_LICENSE = "application/vnd.ollama.image.license"
 MEDIA_PARAMS = "application/vnd.ollama.image.params"
 MEDIA_MESSAGES = "application/vnd.ollama.image.messages"
 MEDIA_ADAPTER = "application/vnd.ollama.image.adapter"  # a GGUF LoRA file (docs/gguf.md#lora-adapters)
+MEDIA_PROJECTOR = "application/vnd.ollama.image.projector"  # a vision projector GGUF (docs/store.md)
 
 MAX_LAYERS = 64
 MAX_LAYER_SIZE = 10**12  # 1 TB
@@ -211,6 +212,7 @@ class LocalModel:
     manifest: Manifest | None = None
     modified: float = 0.0
     adapters: list[Path] = field(default_factory=list)  # GGUF LoRA blobs, applied in manifest order
+    projector: Path | None = None  # the vision projector GGUF blob; None: a text-only model
 
     @property
     def template_format(self) -> str | None:
@@ -543,12 +545,14 @@ class Store:
         manifest = self.read_manifest(name)
         config = self.read_config(manifest)
         gguf_path, template, system, licenses, messages, params = None, None, None, [], [], {}
-        adapters = []
+        adapters, projector = [], None
         for layer in manifest.layers:
             if layer.media_type == MEDIA_MODEL and gguf_path is None:
                 gguf_path = self.blob_path(layer.digest)
             elif layer.media_type == MEDIA_ADAPTER:
                 adapters.append(self.blob_path(layer.digest))
+            elif layer.media_type == MEDIA_PROJECTOR and projector is None:
+                projector = self.blob_path(layer.digest)
             elif layer.media_type == MEDIA_TEMPLATE:
                 template = self.read_blob_text(layer.digest)
             elif layer.media_type == MEDIA_SYSTEM:
@@ -573,6 +577,7 @@ class Store:
             manifest=manifest,
             modified=path.stat().st_mtime if path is not None else 0.0,
             adapters=adapters,
+            projector=projector,
         )
 
     def copy(self, src: ModelName | str, dst: ModelName | str) -> None:

@@ -33,7 +33,7 @@ LAYERS = (
     ("shared CLI", ("session", "ui", "render", "live_view")),
     ("client", ("local_server", "client", "store_client")),
     ("server", ("server",)),
-    ("store", ("create", "registry", "store", "modelfile", "gguf_check", "bundled")),
+    ("store", ("create", "registry", "store", "modelfile", "gguf_check", "bundled", "projector")),
     ("neutral", ("wire", "env", "hosts", "gotext", "names", "errors")),
 )
 
