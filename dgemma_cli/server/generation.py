@@ -135,7 +135,7 @@ async def start(request: Request, svc: Services, gen: GenerationRequest) -> Work
         task = TaskRequest.read(runner, prompt_ids)  # a task model's input (server/tasks.py); None: a text model
         plan = answers.plan_generation(runner, prompt_ids, sampler, svc.config.max_canvases,
                                          structured=gen.output_format is not None,
-                                         images=prompt_images(prompt_ids, images, runner))
+                                         images=prompt_images(prompt_ids, images, runner, gen.prompt.kept_images))
         if gen.output_format is not None:
             plan = replace(plan, constraint=automaton)
             await asyncio.to_thread(format_fits_budget, plan)  # a first check walks the automaton once

@@ -33,6 +33,11 @@ class ChatPrompt:
         """The conversation's images in prompt order (a message's `images`, request_images.RequestImage)."""
         return [image for m in self.messages for image in m.get("images") or ()]
 
+    @property
+    def kept_images(self) -> int:
+        """Images truncation may not drop: the latest message's (older messages' go with their message)."""
+        return len(self.messages[-1].get("images") or ()) if self.messages else 0
+
     def check_size(self, num_ctx: int) -> None:
         """With truncation only what must stay counts: the system messages and the last message."""
         last = len(self.messages) - 1
@@ -46,7 +51,8 @@ class ChatPrompt:
         def no_room(tokens: int) -> RequestError:
             return no_room_error(tokens, runner.canvas_length, runner.context_length)
 
-        budget = runner.context_length - runner.canvas_length - image_room(runner, len(self.images))
+        # room for the latest message's images; older ones that survive truncation are counted by the canvas plan
+        budget = runner.context_length - runner.canvas_length - image_room(runner, self.kept_images)
         return fit_chat(list(self.messages), render_ids, lambda text: len(runner.tokenize(text)), budget,
                         self.truncate, no_room).ids
 
@@ -60,6 +66,11 @@ class GeneratePrompt:
     truncate: bool = True  # keep the prompt's end (Ollama's /api/generate); False: a 400 when it does not fit
     template: ChatTemplate | None = None  # a per-request `template`
     images: tuple[RequestImage, ...] = ()  # before the prompt's text, in order
+
+    @property
+    def kept_images(self) -> int:
+        """Cutting the prompt's start may not drop an image."""
+        return len(self.images)
 
     def check_size(self, num_ctx: int) -> None:
         check_text_size(num_ctx, [self.text, self.system])
@@ -129,15 +140,21 @@ def with_image_markers(message: dict, runner: Any, parts: bool) -> dict:
     return {**plain, "content": "".join(marker if p["type"] == "image" else p["text"] for p in pieces)}
 
 
-def prompt_images(ids: list[int], images: list[RequestImage], runner: Any) -> list[RequestImage]:
-    """The images whose markers are in the final ids: the last ones when truncation dropped older messages (or cut
-    the start of a generate prompt). More markers than images (image-token text typed into a message) is a 400."""
+def prompt_images(ids: list[int], images: list[RequestImage], runner: Any, kept: int) -> list[RequestImage]:
+    """The images whose markers are in the final ids: the last ones when truncation dropped older messages. Fewer
+    than the `kept` ones (the latest message's) means the images themselves do not fit: a 400, never an answer
+    about an image the model did not see. More markers than images (image-token text in a message) is a 400."""
     if not images:
         return []
     marker_id = getattr(runner, "image_token_id", None)
     count = sum(1 for token in ids if token == marker_id)
     if count > len(images):
         raise RequestError(f"the prompt holds {count} image tokens but the request has {len(images)} image(s)")
+    if count < kept:
+        room = len(ids) + image_room(runner, kept)
+        raise RequestError(f"prompt with {kept} image(s) (up to {room} positions) leaves no room for a diffusion "
+                           f"canvas ({runner.canvas_length} tokens) within the context window "
+                           f"({runner.context_length} tokens)")
     return images[len(images) - count:]
 
 
