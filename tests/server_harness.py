@@ -203,6 +203,19 @@ def add_model(store, name: str, gguf: Path, parameters: dict | None = None, syst
     store.write_manifest(name, build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers))
 
 
+def add_vision_model(store, name: str, gguf: Path, projector: Path) -> None:
+    """Register `gguf` with a vision projector layer (`store_helpers.write_tiny_projector`) under `name`."""
+    from dgemma_cli.store import (CONFIG_MEDIA_TYPE, MEDIA_MODEL, MEDIA_PROJECTOR, Layer, build_manifest,
+                                  canonical_json)
+
+    digest, size, _ = store.import_file(gguf)
+    proj_digest, proj_size, _ = store.import_file(projector)
+    layers = [Layer(MEDIA_MODEL, digest, size), Layer(MEDIA_PROJECTOR, proj_digest, proj_size)]
+    config = {"model_format": "gguf", "model_family": "diffusion-gemma", "model_families": ["diffusion-gemma"]}
+    config_digest, config_size = store.write_blob(canonical_json(config))
+    store.write_manifest(name, build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers))
+
+
 # ---- running the server -------------------------------------------------------------------------------------------
 
 def free_port() -> int:

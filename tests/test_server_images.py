@@ -11,6 +11,7 @@ import base64
 import resource
 import select
 import socket
+import time
 
 import httpx
 import ollama
@@ -18,25 +19,15 @@ import openai
 import pytest
 
 from dgemma_cli.server.config import ServerConfig
-from dgemma_cli.store import (CONFIG_MEDIA_TYPE, MEDIA_MODEL, MEDIA_PROJECTOR, Layer, Store, build_manifest,
-                              canonical_json)
+from dgemma_cli.store import Store
 import image_samples as samples
-from server_harness import FAKE_IMAGE_MARKER, FakeBehaviour, InProcessServer, add_model, fake_factory
+from server_harness import FAKE_IMAGE_MARKER, FakeBehaviour, InProcessServer, add_model, add_vision_model, fake_factory
 from store_helpers import write_tiny_gguf, write_tiny_projector
 
 FAST = {"diffusion_steps": 2, "seed": 1, "num_predict": 8}
 PNG = samples.png(24, 16)
 B64 = base64.b64encode(PNG).decode()
 DATA_URL = "data:image/png;base64," + B64
-
-
-def add_vision_model(store: Store, name: str, gguf, projector) -> None:
-    digest, size, _ = store.import_file(gguf)
-    proj_digest, proj_size, _ = store.import_file(projector)
-    layers = [Layer(MEDIA_MODEL, digest, size), Layer(MEDIA_PROJECTOR, proj_digest, proj_size)]
-    config = {"model_format": "gguf", "model_family": "diffusion-gemma", "model_families": ["diffusion-gemma"]}
-    config_digest, config_size = store.write_blob(canonical_json(config))
-    store.write_manifest(name, build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers))
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +54,15 @@ def server(served):
 
 
 def assert_no_slot_held(server) -> None:
+    """Nothing pending and no slot held (a finished answer releases its slot just after its last byte)."""
     scheduler = server.app.state.services.scheduler
-    assert scheduler.pending == 0
-    assert all(resident.refcount == 0 for resident in scheduler.residents.values())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if scheduler.pending == 0 and all(r.refcount == 0 for r in scheduler.residents.values()):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pending {scheduler.pending}, "
+                         f"held {[(r.name, r.refcount) for r in scheduler.residents.values()]}")
 
 
 def oai(server) -> openai.OpenAI:
