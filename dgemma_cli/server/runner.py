@@ -110,7 +110,11 @@ class EngineRunner:
         self.image_marker, self.image_token_id, self.image_positions = None, None, 0
         self.renders_image_parts = False
         if getattr(local_model, "projector", None) is not None:
-            self._load_vision(local_model.projector, threads)
+            try:
+                self._load_vision(local_model.projector, threads)
+            except BaseException:  # a projector that does not load: nothing stays allocated
+                self.close()
+                raise
         from dgemma_engine.devices import list_devices
 
         found = ", ".join(f"{d.name} ({d.description})" for d in list_devices())
