@@ -267,6 +267,7 @@ def test_a_1_gib_base64_body_is_413_without_holding_it(server):
             answer += more
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert b"request body too large" in answer
+    print(f"sent {sent >> 20} MiB before the 413; peak RSS +{(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024} MiB")
     assert sent < 64 << 20, f"the client could send {sent >> 20} MiB before the answer"
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert grown_mib < 80, f"peak RSS grew by {grown_mib:.0f} MiB"
