@@ -278,3 +278,48 @@ def test_show_lists_vision_only_with_a_projector(server):
     srv, _ = server
     assert "vision" in ollama.Client(host=srv.url).show("vis").capabilities
     assert "vision" not in ollama.Client(host=srv.url).show("text").capabilities
+
+
+# ---- markers, unit level ------------------------------------------------------------------------------------------
+
+class MarkerRunner:
+    image_marker = "<|image|>"
+
+
+def test_markers_go_where_the_images_were():
+    from dgemma_cli.server.prompts import with_image_markers
+
+    message = {"role": "user", "content": "left right", "images": ["a", "b"], "image_places": [5, 10]}
+    assert with_image_markers(message, MarkerRunner(), parts=False) == {
+        "role": "user", "content": "left <|image|>right<|image|>"}
+    assert with_image_markers(message, MarkerRunner(), parts=True)["content"] == [
+        {"type": "text", "text": "left "}, {"type": "image"}, {"type": "text", "text": "right"}, {"type": "image"}]
+    ollama_style = {"role": "user", "content": "what?", "images": ["a"]}  # no places: before the text
+    assert with_image_markers(ollama_style, MarkerRunner(), parts=False)["content"] == "<|image|>what?"
+    assert with_image_markers({"role": "user", "content": "x"}, MarkerRunner(), parts=False) == {
+        "role": "user", "content": "x"}
+
+
+def test_a_template_that_renders_image_parts_is_detected():
+    from dgemma_cli.server.runner import template_renders_images
+    from dgemma_engine.chat.templates import ChatTemplate
+
+    gemma_like = ("{% for m in messages %}<|turn>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
+                  "{% else %}{% for p in m.content %}{% if p.type == 'image' %}<|image|>{% else %}{{ p.text }}"
+                  "{% endif %}{% endfor %}{% endif %}<turn|>\n{% endfor %}<|turn>model\n")
+    text_only = "{% for m in messages %}<|turn>{{ m.role }}\n{{ m.content }}<turn|>\n{% endfor %}<|turn>model\n"
+    assert template_renders_images(ChatTemplate("jinja", gemma_like), {"bos_token": "<bos>"})
+    assert not template_renders_images(ChatTemplate("jinja", text_only), {"bos_token": "<bos>"})
+    assert not template_renders_images(ChatTemplate("go", "{{ .Prompt }}"), {"bos_token": "<bos>"})
+
+
+def test_more_image_tokens_than_images_is_a_400():
+    from dgemma_cli.server.errors import RequestError
+    from dgemma_cli.server.prompts import prompt_images
+
+    class Runner:
+        image_token_id, image_positions, canvas_length, context_length = 7, 18, 8, 100
+
+    with pytest.raises(RequestError, match="the prompt holds 2 image tokens but the request has 1 image"):
+        prompt_images([1, 7, 7, 2], ["img"], Runner(), kept=1)
+    assert prompt_images([1, 7, 2], ["old", "new"], Runner(), kept=1) == ["new"]  # the older one was truncated

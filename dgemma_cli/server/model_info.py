@@ -47,13 +47,13 @@ def show(local: Any, verbose: bool, loopback: bool) -> ShowResponse:
     capabilities = ["completion"]
     if metadata.get(gguf_keys.KEY_ARCHITECTURE, (local.config or {}).get("model_family")) == ARCH:
         capabilities.append("diffusion")
+    projector = getattr(local, "projector", None)
+    if projector is not None:
+        capabilities.append("vision")  # what Open WebUI reads to offer image upload; before tools, as Ollama
     if tool_format_of(ChatTemplate("jinja", jinja_template_text(local, metadata) or "")) is not None:
         capabilities.append("tools")  # before thinking, in Ollama's order
     if "enable_thinking" in str(template):
         capabilities.append("thinking")
-    projector = getattr(local, "projector", None)
-    if projector is not None:
-        capabilities.append("vision")  # what Open WebUI reads to offer image upload
     source = str(local.gguf_path) if loopback and local.gguf_path else local.name
     # FROM <name> already brings the adapters and the projector along; blob paths are shown on a loopback server only
     adapter_lines = [str(path) for path in local.adapters] if loopback and local.gguf_path else []
