@@ -193,6 +193,7 @@ class ModelEntry:
     size: int
     modified: float  # manifest mtime, seconds since the epoch
     details: dict[str, Any] = field(default_factory=dict)
+    vision: bool = False  # a projector layer (the `vision` capability)
 
 
 @dataclass
@@ -534,7 +535,7 @@ class Store:
                 "quantization_level": config.get("file_type", ""),
             }
             entries.append(ModelEntry(name.display, name, manifest.digest, manifest.total_size,
-                                      path.stat().st_mtime, details))
+                                      path.stat().st_mtime, details, manifest.layer(MEDIA_PROJECTOR) is not None))
         entries.sort(key=lambda e: e.modified, reverse=True)
         return entries
 

@@ -274,10 +274,13 @@ def test_a_1_gib_base64_body_is_413_without_holding_it(server):
     assert not behaviour.last_prompt
 
 
-def test_show_lists_vision_only_with_a_projector(server):
+def test_show_and_tags_list_vision_only_with_a_projector(server):
     srv, _ = server
     assert "vision" in ollama.Client(host=srv.url).show("vis").capabilities
     assert "vision" not in ollama.Client(host=srv.url).show("text").capabilities
+    tags = {m["name"]: m["capabilities"] for m in httpx.get(f"{srv.url}/api/tags").json()["models"]}
+    assert tags["vis:latest"] == ["completion", "diffusion", "vision"]
+    assert tags["text:latest"] == ["completion", "diffusion"]
 
 
 # ---- markers, unit level ------------------------------------------------------------------------------------------

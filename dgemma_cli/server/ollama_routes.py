@@ -241,7 +241,8 @@ async def tags(request: Request) -> JSONResponse:
             size=e.size,
             digest=e.digest,
             details=model_info.details(e.details),
-            capabilities=["completion", "diffusion"] if e.details.get("family") == ARCH else ["completion"],
+            capabilities=(["completion", "diffusion"] if e.details.get("family") == ARCH else ["completion"])
+            + (["vision"] if e.vision else []),
         )
         for e in entries
     ]
