@@ -138,6 +138,7 @@ class EngineRunner:
         from dgemma_engine.vision import Projector
 
         self.projector = Projector.load(str(projector_path), n_threads=threads)
+        self.size += os.path.getsize(projector_path)  # /api/ps counts the vision tower's weights too
         self.image_marker, self.image_token_id = IMAGE_MARKER, ids[0]
         self.image_positions = self.projector.geometry.max_soft_tokens + 2
         self.renders_image_parts = template_renders_images(self.template, self.special_tokens)
