@@ -142,6 +142,11 @@ class EngineRunner:
         self.image_marker, self.image_token_id = IMAGE_MARKER, ids[0]
         self.image_positions = self.projector.geometry.max_soft_tokens + 2
         self.renders_image_parts = template_renders_images(self.template, self.special_tokens)
+        with self._lock:  # the first context was made before the projector: remake it with room for an image
+            old, self._contexts = self._contexts, []
+        for ctx in old:
+            ctx.close()
+        self._contexts.append(self._new_context())
 
     @staticmethod
     def gguf_path_name(local_model: Any) -> str:
@@ -150,7 +155,11 @@ class EngineRunner:
     def _new_context(self, max_canvases: int = 1) -> Any:
         from dgemma_engine.model import Context
 
-        return Context(self.model, n_ctx=self.context_length, threads=self.threads, max_canvases=max_canvases)
+        # an image is encoded in one pass: a vision model's contexts keep room for its largest one
+        images = {"max_image_tokens": self.projector.geometry.max_soft_tokens} if getattr(self, "projector", None) \
+            else {}
+        return Context(self.model, n_ctx=self.context_length, threads=self.threads, max_canvases=max_canvases,
+                       **images)
 
     def render_chat(self, messages: list[dict], think: bool | None, tools: list[dict] | None = None) -> str:
         return render_prompt(self.template, messages, think, self.special_tokens, tools)
