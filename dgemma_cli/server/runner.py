@@ -155,9 +155,9 @@ class EngineRunner:
     def _new_context(self, max_canvases: int = 1) -> Any:
         from dgemma_engine.model import Context
 
-        # an image is encoded in one pass: a vision model's contexts keep room for its largest one
-        images = {"max_image_tokens": self.projector.geometry.max_soft_tokens} if getattr(self, "projector", None) \
-            else {}
+        images = {}
+        if getattr(self, "projector", None) is not None:  # an image is encoded in one pass: room for the largest
+            images["max_image_tokens"] = self.projector.geometry.max_soft_tokens
         return Context(self.model, n_ctx=self.context_length, threads=self.threads, max_canvases=max_canvases,
                        **images)
 
