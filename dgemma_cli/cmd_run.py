@@ -15,6 +15,7 @@ import typer
 from typer.core import TyperCommand
 
 from dgemma_cli.errors import DgemmaError
+from dgemma_cli.prompt_images import extract_images, has_vision
 from dgemma_cli.session import TASK_RENDERERS, Output, RunSettings, TaskContext, ensure_model, stream_answer
 from dgemma_cli.ui import human_bytes, human_duration, is_tty, table
 
@@ -47,14 +48,21 @@ def read_piped_stdin() -> str:
         return ""
 
 
-def run_once(client: Client, settings: RunSettings, prompt: str) -> None:
-    """Non-interactive `run`: one `/api/generate`; an empty prompt only loads the model (docs/compat.md#run)."""
-    if not prompt:
+def run_once(client: Client, settings: RunSettings, prompt: str, vision: bool = False) -> None:
+    """Non-interactive `run`: one `/api/generate`; an empty prompt only loads the model (docs/compat.md#run). With
+    `vision` (the model has a projector), image files named in the prompt are sent as its images."""
+    images: list[str] = []
+    if vision and prompt:
+        found = extract_images(prompt)
+        for path in found.added:
+            print(f"Added image '{path}'", file=sys.stderr)
+        prompt, images = found.text, found.images
+    if not prompt and not images:
         client.generate(settings.generate_request(""))
         return
     output = Output(settings, interactive_ui=is_tty(sys.stdout))
     request = settings.generate_request(prompt, system=settings.system, progress=output.wants_progress(),
-                                        preview=output.visual)
+                                        preview=output.visual, images=images)
     stream_answer(client.generate_stream(request), output)
 
 
@@ -127,7 +135,7 @@ def run(
             Repl(client, settings, show).run()
         else:
             try:
-                run_once(client, settings, text or "")
+                run_once(client, settings, text or "", has_vision(show))
             except KeyboardInterrupt:
                 raise typer.Exit(130) from None
 

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import typer
 
 from dgemma_engine.gguf_keys import (KEY_ARCHITECTURE, KEY_CANVAS_LENGTH, KEY_CONTEXT_LENGTH, KEY_EMBEDDING_LENGTH,
+                                     KEY_PARAMETER_COUNT, KEY_VISION_EMBEDDING_LENGTH, KEY_VISION_PROJECTION_DIM,
                                      for_arch)
 
 from dgemma_cli.errors import DgemmaError
@@ -108,6 +109,20 @@ def _info_text(value: Any) -> str:
     return "" if value is None else go_value(value)
 
 
+def projector_rows(info: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Ollama's Projector block: architecture, parameters, embedding length, dimensions (what the header has)."""
+    if not info:
+        return []
+    from dgemma_cli.create import human_number
+
+    count = info.get(KEY_PARAMETER_COUNT)
+    rows = [("architecture", str(info.get(KEY_ARCHITECTURE) or "")),
+            ("parameters", human_number(count) if isinstance(count, int) else ""),
+            ("embedding length", _info_text(info.get(KEY_VISION_EMBEDDING_LENGTH))),
+            ("dimensions", _info_text(info.get(KEY_VISION_PROJECTION_DIM)))]
+    return [(name, value) for name, value in rows if value]
+
+
 def show_info_text(show: dict[str, Any], verbose: bool = False) -> str:
     """The `show MODEL` blocks of docs/compat.md#output-formats from an `/api/show` answer (`verbose` adds Metadata and
     Tensors)."""
@@ -121,6 +136,7 @@ def show_info_text(show: dict[str, Any], verbose: bool = False) -> str:
         ("embedding length", _info_text(info.get(for_arch(KEY_EMBEDDING_LENGTH, arch)))),
         ("quantization", details.get("quantization_level") or ""),
     ])
+    lines += _block("Projector", projector_rows(show.get("projector_info")))
     lines += _block("Capabilities", [(c, "") for c in show.get("capabilities") or []])
     lines += _block("Adapters", [_adapter_row(a) for a in show.get("adapters") or []])
     param_rows = parameter_rows(show.get("parameters"))

@@ -1,7 +1,9 @@
 """`create`: Modelfile -> layers -> manifest (docs/compat.md#modelfile-instructions, #create, #template-policy).
 
 FROM may name a local GGUF file, a folder holding one GGUF, a Hugging Face checkpoint folder (converted on the fly
-with dgemma_convert), or an existing model (pulled first if missing). ADAPTER names a GGUF LoRA file or a PEFT adapter
+with dgemma_convert), or an existing model (pulled first if missing). A second FROM (or a second GGUF in the folder)
+may be a vision projector GGUF (`general.architecture` "clip"): it becomes the `projector` layer (docs/store.md,
+"Vision projectors"); a checkpoint with a vision tower gets its projector converted too. ADAPTER names a GGUF LoRA file or a PEFT adapter
 folder (converted to a GGUF LoRA file here, so the store only holds GGUF); each adapter is checked against the base
 before anything is written, and becomes an `adapter` layer after the inherited ones (docs/gguf.md#lora-adapters).
 Every GGUF is validated by gguf_check before it enters the store. Layers use Ollama's media types; JSON blobs are
@@ -23,8 +25,10 @@ from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gguf_check import GGUFError, GGUFInfo, check_runnable, read_gguf_info
 from dgemma_cli.modelfile import Modelfile, check_parameter_ranges, quote
 from dgemma_cli.names import ModelName
+from dgemma_cli.projector import ProjectorError, check_fits_model, is_projector, projector_info
 from dgemma_cli.store import (CONFIG_MEDIA_TYPE, MEDIA_ADAPTER, MEDIA_LICENSE, MEDIA_MESSAGES, MEDIA_MODEL,
-                              MEDIA_PARAMS, MEDIA_SYSTEM, MEDIA_TEMPLATE, Layer, Store, build_manifest, canonical_json)
+                              MEDIA_PARAMS, MEDIA_PROJECTOR, MEDIA_SYSTEM, MEDIA_TEMPLATE, Layer, Store,
+                              build_manifest, canonical_json)
 from dgemma_convert.errors import ConvertError
 from dgemma_engine.errors import EngineError
 
@@ -88,7 +92,25 @@ def gguf_entries(folder: Path) -> list[Path]:
 
 
 def gguf_in_folder(folder: Path) -> Path:
-    """The one GGUF file in a folder; entries that resolve outside the folder are refused."""
+    """The one model GGUF file in a folder (a vision projector GGUF beside it is `projector_in_folder`'s); entries
+    that resolve outside the folder are refused."""
+    found = [entry for entry in _folder_ggufs(folder) if not is_projector_file(entry)]
+    if not found:
+        raise CreateError("no GGUF file or Hugging Face checkpoint found in the FROM folder")
+    if len(found) > 1:
+        raise CreateError("split GGUF models (more than one .gguf file) are not supported")
+    return found[0]
+
+
+def projector_in_folder(folder: Path) -> Path | None:
+    """The vision projector GGUF in a FROM folder, if it holds one."""
+    found = [entry for entry in _folder_ggufs(folder) if is_projector_file(entry)]
+    if len(found) > 1:
+        raise CreateError("more than one vision projector GGUF in the FROM folder")
+    return found[0] if found else None
+
+
+def _folder_ggufs(folder: Path) -> list[Path]:
     base = folder.resolve()
     found = []
     for entry in gguf_entries(folder):
@@ -96,11 +118,50 @@ def gguf_in_folder(folder: Path) -> Path:
             raise CreateError(f"insecure path: {entry.name}")
         if entry.is_file():
             found.append(entry)
-    if not found:
-        raise CreateError("no GGUF file or Hugging Face checkpoint found in the FROM folder")
-    if len(found) > 1:
-        raise CreateError("split GGUF models (more than one .gguf file) are not supported")
-    return found[0]
+    return found
+
+
+def is_projector_file(path: Path) -> bool:
+    """A GGUF whose `general.architecture` is "clip" (a file that does not parse is not one: the model check names
+    what is wrong with it)."""
+    try:
+        return is_projector(read_gguf_info(path))
+    except GGUFError:
+        return False
+
+
+@dataclass(frozen=True)
+class FromSources:
+    """A Modelfile's FROM lines sorted out: the one model (a local path or a model name) and an optional vision
+    projector GGUF file."""
+
+    model: str  # as written: a model name when `model_path` is None
+    model_path: Path | None
+    projector: Path | None = None
+
+
+def split_froms(froms: list[str], base_dir: Path, paths_within: Path | None) -> FromSources:
+    """One model and at most one projector among the FROM lines (a folder may hold both GGUFs)."""
+    models: list[tuple[str, Path | None]] = []
+    projectors: list[Path] = []
+    for value in froms:
+        local = local_path(value, base_dir, paths_within)
+        if local is not None and local.is_file() and is_projector_file(local):
+            projectors.append(local)
+            continue
+        if local is not None and local.is_dir() and not is_hf_checkpoint(local):
+            projector = projector_in_folder(local)
+            if projector is not None:
+                projectors.append(projector)
+        models.append((value, local))
+    if not models:
+        raise CreateError("no model in FROM: a vision projector needs its model (add a FROM for the model's GGUF)")
+    if len(models) > 1:
+        raise CreateError("a Modelfile takes one model: a second FROM may only be a vision projector GGUF "
+                          '(general.architecture "clip")')
+    if len(projectors) > 1:
+        raise CreateError("a Modelfile takes at most one vision projector")
+    return FromSources(models[0][0], models[0][1], projectors[0] if projectors else None)
 
 
 def _check_values(mf: Modelfile) -> None:
@@ -412,21 +473,74 @@ def _create_model(name: ModelName | str, modelfile: Modelfile, store: Store, bas
         check_jinja_template(modelfile.template)
 
     store.ensure_dirs()
-    source = modelfile.from_ or ""
-    local = local_path(source, base_dir, paths_within)
+    sources = split_froms(modelfile.froms, base_dir, paths_within)
+    local = sources.model_path
     with store.scratch("create") as work:  # conversions; never inside blobs/, never in $TMPDIR
+        projector = sources.projector
         if local is not None:
             gguf, info = yield from _local_gguf(local, quant, work)
+            if projector is None and local.is_dir() and is_hf_checkpoint(local):
+                projector = yield from converted_projector(local, quant, work)
+            checked_projector(projector, info)  # before anything enters the store
             # adapters are checked (and converted) before the weights enter the store: a bad one leaves nothing
             adapter_files = yield from prepare_adapters(adapters, BaseShapes.of(info, gguf), work)
             base = yield from _import_local(store, gguf, info, local.name)
         else:
+            source = sources.model
             base = yield from _from_model(store, ModelName.parse(source), quant)  # not a path: a model name
             if adapters and base.shapes is None:
                 raise CreateError(f"model '{source}' has no model layer to apply an adapter to")
+            if projector is not None:
+                checked_projector(projector, read_gguf_info(base.shapes.path) if base.shapes else None)
             adapter_files = yield from prepare_adapters(adapters, base.shapes, work)
+        if projector is not None:
+            yield from _import_projector(store, base, projector)
         yield from _import_adapters(store, base, adapter_files)
         yield from _write_model(store, model_name, modelfile, base)
+
+
+def checked_projector(path: Path | None, model: GGUFInfo | None) -> None:
+    """A vision projector GGUF checked from its header, and against the model's embedding width when known."""
+    if path is None:
+        return
+    try:
+        info = projector_info(path, path.name)
+        if model is not None:
+            check_fits_model(info, model, path.name)
+    except ProjectorError as exc:
+        raise CreateError(str(exc)) from None
+
+
+def converted_projector(checkpoint: Path, quant: str | None, work: Path) -> Iterator[dict[str, Any]]:
+    """The vision projector of a checkpoint folder, converted into `work` (None: the checkpoint has no vision tower).
+    The converter's projector writer (`dgemma_convert.convert_mmproj`) is the one `dgemma convert
+    --mmproj-outfile` uses; a converter without it converts the text model alone."""
+    import importlib.util
+
+    if importlib.util.find_spec("dgemma_convert.mmproj") is None:  # MERGE: the converter's projector (vis-engine)
+        return None
+    from dgemma_convert.mmproj import MMPROJ_OUT_TYPES, convert_mmproj, plan_mmproj
+
+    outtype = (quant or "f16").lower()
+    outtype = outtype if outtype in MMPROJ_OUT_TYPES else "f16"  # K-quants are for the text weights
+    if plan_mmproj(checkpoint, outtype) is None:
+        return None
+    out = work / "projector.gguf"
+    yield {"status": "converting projector"}
+    yield from converter_step("converting projector",
+                               lambda sink: convert_mmproj(checkpoint, out, outtype, threads=2, progress=sink),
+                               {str(out): out.name, str(checkpoint): checkpoint.name, str(work): "."})
+    return out
+
+
+def _import_projector(store: Store, base: "_Base", path: Path) -> Iterator[dict[str, Any]]:
+    """The projector layer, right after the model layer; it replaces one the parent model had."""
+    layer, status = _import_layer(store, path, MEDIA_PROJECTOR, None)
+    kept = [existing for existing in base.layers if existing.media_type != MEDIA_PROJECTOR]
+    at = next((i + 1 for i, existing in enumerate(kept) if existing.media_type == MEDIA_MODEL), len(kept))
+    base.layers[:] = kept[:at] + [layer] + kept[at:]
+    base.sources[layer.digest] = path
+    yield status
 
 
 def _local_gguf(local: Path, quant: str | None, work: Path) -> Iterator[dict[str, Any]]:

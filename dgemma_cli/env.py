@@ -168,6 +168,8 @@ MAX_UPLOAD = Var("DGEMMA_MAX_UPLOAD", "size", 128 * 10**9, "128GB", "blob upload
                  "max_upload")
 MAX_CANVASES = Var("DGEMMA_MAX_CANVASES", "integer >= 1", 16, "16", "canvases one request may denoise",
                    _positive_int, "max_canvases")
+MAX_IMAGES = Var("DGEMMA_MAX_IMAGES", "integer >= 1", 16, "16", "images one request may carry (then a 400)",
+                 _positive_int, "max_images")
 MAX_STEPS = Var("DGEMMA_MAX_STEPS", "integer >= 1", 256, "256",
                 "most denoising steps per canvas a request or Modelfile may ask for", _positive_int, "max_steps")
 COMPAT_VERSION = Var("DGEMMA_COMPAT_VERSION", "version", "0.32.0", "0.32.0",
@@ -179,8 +181,8 @@ SCHEMA_COMPILE_TIMEOUT = Var("DGEMMA_SCHEMA_COMPILE_TIMEOUT", "seconds > 0", 10.
                              _positive_seconds, "schema_compile_timeout")
 
 SERVER = (HOST, MODELS, KEEP_ALIVE, ORIGINS, NUM_PARALLEL, MAX_QUEUE, MAX_LOADED_MODELS, CONTEXT_LENGTH, LOAD_TIMEOUT,
-          DEBUG, NOPRUNE, API_KEY, READONLY, ALLOWED_HOSTS, MAX_UPLOAD, MAX_CANVASES, MAX_STEPS, COMPAT_VERSION,
-          SCHEMA_COMPILE_TIMEOUT)
+          DEBUG, NOPRUNE, API_KEY, READONLY, ALLOWED_HOSTS, MAX_UPLOAD, MAX_CANVASES, MAX_IMAGES, MAX_STEPS,
+          COMPAT_VERSION, SCHEMA_COMPILE_TIMEOUT)
 
 # The CLI's and the pull's variables.
 NOHISTORY = Var("DGEMMA_NOHISTORY", "boolean", False, "off", "no `~/.dgemma/history` for the interactive `run`",

@@ -15,6 +15,7 @@ from typing import Any, TextIO
 from dgemma_cli import env, wire
 from dgemma_cli.client import ApiError, Client
 from dgemma_cli.errors import DgemmaError
+from dgemma_cli.prompt_images import extract_images, has_vision
 from dgemma_cli.session import Output, RunSettings, ensure_model, stream_answer
 from dgemma_cli.ui import Spinner
 
@@ -213,7 +214,17 @@ class Repl:
         return system + self.messages
 
     def chat(self, text: str) -> None:
-        self.messages.append({"role": "user", "content": text})
+        message: dict[str, Any] = {"role": "user", "content": text}
+        if has_vision(self.show):  # image files named in the line go with it (prompt_images.py)
+            try:
+                found = extract_images(text)
+            except DgemmaError as exc:
+                print(f"Error: {exc}", file=sys.stderr)
+                return
+            for path in found.added:
+                print(f"Added image '{path}'", file=sys.stderr)  # stderr, as Ollama's CLI
+            message = {"role": "user", "content": found.text, **({"images": found.images} if found.images else {})}
+        self.messages.append(message)
         output = Output(self.settings, out=self.out)
         request = self.settings.chat_request(self.conversation(), progress=output.wants_progress(),
                                              preview=output.visual)

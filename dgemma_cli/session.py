@@ -54,10 +54,11 @@ class RunSettings:
                 "format": self.format or None}
 
     def generate_request(self, prompt: str, *, system: str | None = None, progress: bool = False,
-                         preview: bool = False) -> wire.GenerateRequest:
+                         preview: bool = False, images: list[str] | None = None) -> wire.GenerateRequest:
         from dgemma_cli import wire
 
-        return wire.GenerateRequest(prompt=prompt, system=system, **self._common(progress, preview))
+        return wire.GenerateRequest(prompt=prompt, system=system, images=images or None,
+                                    **self._common(progress, preview))
 
     def chat_request(self, messages: list[dict[str, Any]], *, progress: bool = False,
                      preview: bool = False) -> wire.ChatRequest:

@@ -41,6 +41,7 @@ MEDIA_LICENSE = "application/vnd.ollama.image.license"
 MEDIA_PARAMS = "application/vnd.ollama.image.params"
 MEDIA_MESSAGES = "application/vnd.ollama.image.messages"
 MEDIA_ADAPTER = "application/vnd.ollama.image.adapter"  # a GGUF LoRA file (docs/gguf.md#lora-adapters)
+MEDIA_PROJECTOR = "application/vnd.ollama.image.projector"  # a vision projector GGUF (docs/store.md)
 
 MAX_LAYERS = 64
 MAX_LAYER_SIZE = 10**12  # 1 TB
@@ -192,6 +193,7 @@ class ModelEntry:
     size: int
     modified: float  # manifest mtime, seconds since the epoch
     details: dict[str, Any] = field(default_factory=dict)
+    vision: bool = False  # a projector layer (the `vision` capability)
 
 
 @dataclass
@@ -211,6 +213,7 @@ class LocalModel:
     manifest: Manifest | None = None
     modified: float = 0.0
     adapters: list[Path] = field(default_factory=list)  # GGUF LoRA blobs, applied in manifest order
+    projector: Path | None = None  # the vision projector GGUF blob; None: a text-only model
 
     @property
     def template_format(self) -> str | None:
@@ -532,7 +535,7 @@ class Store:
                 "quantization_level": config.get("file_type", ""),
             }
             entries.append(ModelEntry(name.display, name, manifest.digest, manifest.total_size,
-                                      path.stat().st_mtime, details))
+                                      path.stat().st_mtime, details, manifest.layer(MEDIA_PROJECTOR) is not None))
         entries.sort(key=lambda e: e.modified, reverse=True)
         return entries
 
@@ -543,12 +546,14 @@ class Store:
         manifest = self.read_manifest(name)
         config = self.read_config(manifest)
         gguf_path, template, system, licenses, messages, params = None, None, None, [], [], {}
-        adapters = []
+        adapters, projector = [], None
         for layer in manifest.layers:
             if layer.media_type == MEDIA_MODEL and gguf_path is None:
                 gguf_path = self.blob_path(layer.digest)
             elif layer.media_type == MEDIA_ADAPTER:
                 adapters.append(self.blob_path(layer.digest))
+            elif layer.media_type == MEDIA_PROJECTOR and projector is None:
+                projector = self.blob_path(layer.digest)
             elif layer.media_type == MEDIA_TEMPLATE:
                 template = self.read_blob_text(layer.digest)
             elif layer.media_type == MEDIA_SYSTEM:
@@ -573,6 +578,7 @@ class Store:
             manifest=manifest,
             modified=path.stat().st_mtime if path is not None else 0.0,
             adapters=adapters,
+            projector=projector,
         )
 
     def copy(self, src: ModelName | str, dst: ModelName | str) -> None:

@@ -96,27 +96,40 @@ def create_request(client: Client, model: str, modelfile: Modelfile, base_dir: P
     A local GGUF (or a folder holding one) is uploaded as is and the server quantizes it if asked; a checkpoint
     folder is converted here, straight to the requested type, so the server only ever receives GGUF blobs."""
     # create.py owns the FROM rules (path vs name, folder scan, checkpoint detection); reuse them, do not fork them.
-    from dgemma_cli.create import gguf_in_folder, is_hf_checkpoint, local_path, modelfile_adapters, validated_gguf
+    from dgemma_cli.create import (CreateError, checked_projector, gguf_in_folder, is_hf_checkpoint,
+                                   modelfile_adapters, split_froms, validated_gguf)
 
     adapters = modelfile_adapters(modelfile, base_dir, None)
     for source in adapters:  # a bad adapter fails before anything is converted or uploaded
         _precheck_adapter(source)
+    if not modelfile.froms:
+        raise CreateError("neither 'from' or 'files' was specified")
     body: dict[str, Any] = {"model": model}
-    source = modelfile.from_ or ""
-    local = local_path(source, base_dir, None)
+    sources = split_froms(modelfile.froms, base_dir, None)
+    local, projector = sources.model_path, sources.projector
+    files: dict[str, str] = {}
     if local is None:
-        body["from"] = source  # a model name: the server resolves (or pulls) it
+        body["from"] = sources.model  # a model name: the server resolves (or pulls) it
         if quantize:
             body["quantize"] = quantize
     elif local.is_dir() and is_hf_checkpoint(local):
-        with _converted(local, quantize, progress) as gguf:
-            body["files"] = {f"{local.name}.gguf": ensure_blob(client, gguf, progress)}
+        with _converted(local, quantize, progress) as (gguf, converted):
+            files[f"{local.name}.gguf"] = ensure_blob(client, gguf, progress)
+            if converted is not None and projector is None:
+                files[f"{local.name}-mmproj.gguf"] = ensure_blob(client, converted, progress)
     else:
         gguf = gguf_in_folder(local) if local.is_dir() else local
-        validated_gguf(gguf)  # the server checks again; this only spares uploading a file it would refuse
-        body["files"] = {gguf.name: ensure_blob(client, gguf, progress)}
+        info = validated_gguf(gguf)  # the server checks again; this only spares uploading a file it would refuse
+        checked_projector(projector, info)
+        files[gguf.name] = ensure_blob(client, gguf, progress)
         if quantize:
             body["quantize"] = quantize
+    if projector is not None:  # Ollama's form: the projector is one more GGUF in `files`
+        checked_projector(projector, None)
+        files[projector.name if projector.name not in files else f"mmproj-{projector.name}"] = \
+            ensure_blob(client, projector, progress)
+    if files:
+        body["files"] = files
     if adapters:
         body["adapters"] = {}
         for index, source in enumerate(adapters):
@@ -159,13 +172,22 @@ def _uploaded_adapter(client: Client, source: Any, progress: Progress) -> tuple[
         return source.path.name, ensure_blob(client, gguf, progress)  # the server's errors name the folder
 
 
+def yield_progress(steps: Any, progress: Progress) -> Any:
+    """Pass a create step's status objects to `progress`; the step's return value."""
+    while True:
+        try:
+            progress(next(steps))
+        except StopIteration as done:
+            return done.value
+
+
 @contextmanager
-def _converted(checkpoint: Path, quantize: str | None, progress: Progress) -> Iterator[Path]:
+def _converted(checkpoint: Path, quantize: str | None, progress: Progress) -> Iterator[tuple[Path, Path | None]]:
     """Convert a checkpoint folder to a GGUF in a scratch folder of the local store (removed afterwards), with
-    converter progress."""
+    converter progress; and its vision projector, when it has a vision tower."""
     from dgemma_convert import convert
 
-    from dgemma_cli.create import QUANTIZE_TYPES, CreateError, converter_step
+    from dgemma_cli.create import QUANTIZE_TYPES, CreateError, converted_projector, converter_step
 
     outtype = "bf16"
     if quantize:
@@ -181,5 +203,6 @@ def _converted(checkpoint: Path, quantize: str | None, progress: Progress) -> It
                                 {str(gguf): gguf.name, str(checkpoint): checkpoint.name, str(work): "."})
         for event in steps:
             progress(event)
-        yield gguf
+        projector = yield_progress(converted_projector(checkpoint, quantize, work), progress)
+        yield gguf, projector
 

@@ -135,6 +135,7 @@ class ShowResponse(WireModel):
     modified_at: str
     tensors: list[TensorInfo] | None = omitted("with `verbose`: every tensor's name, type and shape")
     adapters: list[AdapterInfo] | None = omitted("the model's LoRA adapters, in the order they apply")
+    projector_info: dict[str, JsonValue] | None = omitted("the vision projector's GGUF metadata (Ollama's field)")
 
 
 class StatusResponse(WireModel):

@@ -6,7 +6,8 @@ Starts `dgemma serve` as a subprocess on a loopback port (tests/server_harness.p
 fixture model, then sends `cases` requests built from a valid body of every endpoint by one to three random
 mutations (wrong types, huge numbers, surrogates, NULs, deep nesting, long strings, random keys, absurd options, bad
 names and digests, JSON schemas whose compile never ends), plus mutated GGUFs (tests/gguf_mutator.py and random
-byte corruption) uploaded with /api/blobs and used by /api/create. It checks that
+byte corruption) uploaded with /api/blobs and used by /api/create, and hostile images (tests/image_samples.py) on
+every API. It checks that
 - no answer is a 5xx (nor a streamed `internal server error`), and every request is answered within a deadline;
 - a generation whose format is a hostile schema (tests/json_schemas.py) gets a 4xx within the compile limit + slack;
 - the server process stays alive (no signal, no exit);
@@ -17,6 +18,7 @@ registry name would go to a closed loopback port). tests/test_fuzz_api.py runs a
 from __future__ import annotations
 
 import argparse
+import base64
 import copy
 import hashlib
 import json
@@ -35,9 +37,11 @@ TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
+import image_samples  # noqa: E402
 from gguf_mutator import MUTANTS, mutate  # noqa: E402
 from json_schemas import HOSTILE_SCHEMAS, SCHEMAS  # noqa: E402
 from server_harness import ServeProcess, free_port  # noqa: E402
+from store_helpers import write_tiny_projector  # noqa: E402
 
 FIXTURE = TESTS / "fixtures" / "tiny-a"
 BASE_MODEL = "tiny"
@@ -169,6 +173,27 @@ class Hostile:
 # ---- requests ------------------------------------------------------------------------------------------------------
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+VISION_MODEL = "fz-vision"  # the base model with a projector layer (a header-only projector: it never encodes)
+
+
+def image_requests(rng: random.Random) -> list[tuple[str, str, Any]]:
+    """Requests carrying hostile images (truncated, corrupt, a 50,000 x 50,000 header, ...) on every API, to the
+    model with a projector (each must be a 400 before any load), and a valid image to the text-only base model."""
+    hostile = [base64.b64encode(data).decode() for data in image_samples.hostile_images().values()]
+    valid = base64.b64encode(image_samples.png()).decode()
+    bad = rng.choice(hostile)
+    url = "data:image/png;base64," + bad
+    return [
+        ("POST", "/api/generate", {"model": VISION_MODEL, "prompt": "Hi", "images": [bad], "stream": False}),
+        ("POST", "/api/generate", {"model": BASE_MODEL, "prompt": "Hi", "images": [valid], "stream": False}),
+        ("POST", "/api/chat", {"model": VISION_MODEL, "stream": False,
+                               "messages": [{"role": "user", "content": "Hi", "images": [valid, bad]}]}),
+        ("POST", "/v1/chat/completions", {"model": VISION_MODEL, "max_tokens": 16, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]}),
+        ("POST", "/v1/responses", {"model": VISION_MODEL, "max_output_tokens": 16, "input": [
+            {"role": "user", "content": [{"type": "input_image", "image_url": url}]}]}),
+    ]
 
 
 def base_requests(gguf_digest: str) -> list[tuple[str, str, Any]]:
@@ -203,7 +228,7 @@ def base_requests(gguf_digest: str) -> list[tuple[str, str, Any]]:
 
 
 NAME_FIELDS = ("model", "name", "from", "source", "destination")
-PROTECTED = (BASE_MODEL, f"{BASE_MODEL}:latest")
+PROTECTED = (BASE_MODEL, f"{BASE_MODEL}:latest", VISION_MODEL, f"{VISION_MODEL}:latest")
 
 
 def _paths(body: Any, prefix: tuple = ()) -> list[tuple]:
@@ -344,6 +369,7 @@ class FuzzReport:
     gguf_accepted: int = 0
     models_checked: int = 0
     hostile_formats: int = 0  # generations asked for in a hostile schema's format
+    image_cases: int = 0  # requests built from a body with images (image_requests)
     seconds: float = 0.0
     stopped_early: bool = False
 
@@ -351,7 +377,7 @@ class FuzzReport:
         histogram = ", ".join(f"{status}: {count}" for status, count in sorted(self.statuses.items()))
         return (f"{self.requests} requests in {self.seconds:.1f} s ({histogram}); GGUF uploads {self.gguf_cases}, "
                 f"accepted by create {self.gguf_accepted}; accepted models that generated: {self.models_checked}; "
-                f"generations in a hostile format: {self.hostile_formats}; "
+                f"generations in a hostile format: {self.hostile_formats}; with images: {self.image_cases}; "
                 f"failures: {len(self.failures)}" + (" (stopped at the time budget)" if self.stopped_early else ""))
 
 
@@ -458,6 +484,10 @@ def run(cases: int, seed: int = 1, gguf: Path | None = None, time_budget: float 
             base_digest = fuzzer.upload(gguf.read_bytes(), "fixture")
             create = {"model": BASE_MODEL, "files": {"tiny-a.gguf": base_digest}, "stream": False}
             assert fuzzer.send("POST", "/api/create", encode(create), "base create").status_code == 200
+            projector = write_tiny_projector(work / "mmproj.gguf", n_embd_text=_embedding_length(gguf))
+            vision = {"model": VISION_MODEL, "stream": False, "files": {
+                "tiny-a.gguf": base_digest, "mmproj.gguf": fuzzer.upload(projector.read_bytes(), "projector")}}
+            assert fuzzer.send("POST", "/api/create", encode(vision), "vision create").status_code == 200
             bases = base_requests(base_digest)
             mutant_names = sorted(MUTANTS)
             rng.shuffle(mutant_names)
@@ -470,7 +500,9 @@ def run(cases: int, seed: int = 1, gguf: Path | None = None, time_budget: float 
                     fuzzer.gguf_case(rng, gguf, work, gguf_index, mutant_names)
                     gguf_index += 1
                     continue
-                method, path, body = rng.choice(bases)
+                with_images = image_requests(rng)
+                method, path, body = rng.choice(bases + with_images)
+                report.image_cases += any(body is base for _, _, base in with_images)
                 if method in ("GET", "HEAD"):
                     if rng.random() < 0.5:
                         path = path.rsplit("/", 1)[0] + "/" + _path_segment(rng)
@@ -493,6 +525,13 @@ def run(cases: int, seed: int = 1, gguf: Path | None = None, time_budget: float 
                 report.failures.append(f"server exited with {server.process.returncode}")
         report.seconds = time.monotonic() - started
     return report
+
+
+def _embedding_length(gguf: Path) -> int:
+    from dgemma_cli.gguf_check import read_gguf_info
+    from dgemma_engine.gguf_keys import KEY_EMBEDDING_LENGTH
+
+    return int(read_gguf_info(gguf).metadata[KEY_EMBEDDING_LENGTH])
 
 
 def _path_segment(rng: random.Random) -> str:

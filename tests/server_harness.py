@@ -19,6 +19,7 @@ from dgemma_engine.events import CanvasEvent, DoneEvent, GenerationStats, StepEv
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN_OFFSET = 1000  # fake token id = ord(char) + offset, clear of the stop ids {1, 50, 106}
+FAKE_IMAGE_MARKER = "\u25a3"  # the fake runner's image token: one character, shown in `last_prompt`
 EOS = 1
 
 
@@ -42,6 +43,8 @@ class FakeBehaviour:
     loaded_at: list[float] = field(default_factory=list)
     last_prompt: list[str] = field(default_factory=list)
     last_sampler: list[Any] = field(default_factory=list)
+    last_images: list[list] = field(default_factory=list)  # the images each generation received
+    image_positions: int = 18  # a model with a projector: 16 soft tokens + boi + eoi per image
 
 
 class FakeRunner:
@@ -63,6 +66,12 @@ class FakeRunner:
         from dgemma_engine.chat.tool_calls import FORMATS
 
         self.tool_format = FORMATS[0] if behaviour.tools else None
+        # vision as a model with a projector has it: one marker character (one fake token) per image
+        vision = getattr(local_model, "projector", None) is not None
+        self.image_marker = FAKE_IMAGE_MARKER if vision else None
+        self.image_token_id = ord(FAKE_IMAGE_MARKER) + TOKEN_OFFSET if vision else None
+        self.image_positions = behaviour.image_positions if vision else 0
+        self.renders_image_parts = False
 
     def render_chat(self, messages: list[dict], think: bool | None, tools: list[dict] | None = None) -> str:
         """`<role>content` per message (a call in history as `<call:NAME>`, a tool result's name as `<tool:NAME>`),
@@ -80,7 +89,8 @@ class FakeRunner:
     def detokenize(self, ids: list[int]) -> str:
         return "".join(chr(i - TOKEN_OFFSET) for i in ids if i >= TOKEN_OFFSET)
 
-    def generate(self, prompt_ids, sampler, max_new_tokens, cancel, constraint=None):
+    def generate(self, prompt_ids, sampler, max_new_tokens, cancel, constraint=None, images=None):
+        self.b.last_images.append(list(images or []))
         try:
             yield from self._generate(prompt_ids, sampler, max_new_tokens, cancel)
         finally:
@@ -189,6 +199,19 @@ def add_model(store, name: str, gguf: Path, parameters: dict | None = None, syst
               "file_type": "F32", "architecture": "amd64", "os": "linux"}
     if template:
         config["template_format"] = "jinja"  # as create marks Jinja templates (docs/compat.md#template-policy)
+    config_digest, config_size = store.write_blob(canonical_json(config))
+    store.write_manifest(name, build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers))
+
+
+def add_vision_model(store, name: str, gguf: Path, projector: Path) -> None:
+    """Register `gguf` with a vision projector layer (`store_helpers.write_tiny_projector`) under `name`."""
+    from dgemma_cli.store import (CONFIG_MEDIA_TYPE, MEDIA_MODEL, MEDIA_PROJECTOR, Layer, build_manifest,
+                                  canonical_json)
+
+    digest, size, _ = store.import_file(gguf)
+    proj_digest, proj_size, _ = store.import_file(projector)
+    layers = [Layer(MEDIA_MODEL, digest, size), Layer(MEDIA_PROJECTOR, proj_digest, proj_size)]
+    config = {"model_format": "gguf", "model_family": "diffusion-gemma", "model_families": ["diffusion-gemma"]}
     config_digest, config_size = store.write_blob(canonical_json(config))
     store.write_manifest(name, build_manifest(Layer(CONFIG_MEDIA_TYPE, config_digest, config_size), layers))
 

@@ -113,3 +113,25 @@ def valid_raw_gguf() -> bytes:
     """A minimal valid diffusion-gemma GGUF built by hand (one F32 tensor of 8 elements)."""
     kvs = [kv_str("general.architecture", "diffusion-gemma"), kv_u32("diffusion.canvas_length", 16)]
     return raw_gguf(kvs, [tensor_info("a.weight", (8,))], data=b"\0" * 32)
+
+
+def write_tiny_projector(path: Path, n_embd_text: int = 8, max_soft_tokens: int = 16, arch: str = "clip",
+                         projector_type: str = "gemma4v") -> Path:
+    """A small vision projector GGUF header in the mtmd layout (`general.architecture` "clip"): the keys the store,
+    `show` and the request checks read, and two small tensors (not a runnable vision tower)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_type("mmproj")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_string("clip.projector_type", projector_type)
+    w.add_uint32("clip.vision.projection_dim", n_embd_text)
+    w.add_uint32("clip.vision.embedding_length", 32)
+    w.add_uint32("clip.vision.patch_size", 4)
+    w.add_uint32("clip.vision.projector.scale_factor", 2)
+    w.add_uint32("dgemma.vision.max_soft_tokens", max_soft_tokens)
+    w.add_tensor("v.patch_embd.weight", np.ones((32, 3, 4, 4), np.float32))
+    w.add_tensor("mm.input_projection.weight", np.ones((n_embd_text, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

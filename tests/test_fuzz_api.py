@@ -11,4 +11,5 @@ def test_small_fuzz_run_finds_nothing(gguf_path, tmp_path):
     assert report.failures == [], "\n".join(report.failures[:20])
     assert report.requests >= 100 and not report.stopped_early
     assert report.gguf_cases > 0 and report.models_checked > 0 and report.hostile_formats > 0
+    assert report.image_cases > 0  # hostile images on every API (tests/image_samples.py)
     assert sum(n for status, n in report.statuses.items() if isinstance(status, int) and 400 <= status < 500) > 0

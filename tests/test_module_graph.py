@@ -19,8 +19,8 @@ PACKAGES = {"dgemma_cli": ROOT / "dgemma_cli", "dgemma_engine": ROOT / "ggml_ext
 # Client-side modules: what a CLI command uses to talk to a server. They never reach dgemma_cli.server, not even
 # through another module (`local_server` is the one bridge that starts the app in-process).
 CLIENT_SIDE = ("dgemma_cli.client", "dgemma_cli.store_client", "dgemma_cli.render", "dgemma_cli.live_view",
-               "dgemma_cli.ui", "dgemma_cli.session", "dgemma_cli.names", "dgemma_cli.env", "dgemma_cli.gotext",
-               "dgemma_cli.hosts")
+               "dgemma_cli.ui", "dgemma_cli.session", "dgemma_cli.prompt_images", "dgemma_cli.names", "dgemma_cli.env",
+               "dgemma_cli.gotext", "dgemma_cli.hosts")
 SERVER_PACKAGE = "dgemma_cli.server"
 
 # The packages bottom up: the engine, the converter (which uses the engine's names, settings and errors), the CLI. A
@@ -30,10 +30,10 @@ PACKAGE_ORDER = ("dgemma_engine", "dgemma_convert", "dgemma_cli")
 # dgemma_cli's layers, top to bottom (docs/architecture.md): a module imports from its own layer or the ones below.
 LAYERS = (
     ("commands", ("main", "cmd_run", "repl", "sudoku", "cmd_store", "cmd_serve", "cmd_convert", "cmd_debug")),
-    ("shared CLI", ("session", "ui", "render", "live_view")),
+    ("shared CLI", ("session", "ui", "render", "live_view", "prompt_images")),
     ("client", ("local_server", "client", "store_client")),
     ("server", ("server",)),
-    ("store", ("create", "registry", "store", "modelfile", "gguf_check", "bundled")),
+    ("store", ("create", "registry", "store", "modelfile", "gguf_check", "bundled", "projector")),
     ("neutral", ("wire", "env", "hosts", "gotext", "names", "errors")),
 )
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from dgemma_cli.server.options import SamplerSettings
 from dgemma_cli.server.runner import Runner
-from dgemma_cli.server.prompts import no_room_error
+from dgemma_cli.server.prompts import image_room, no_room_error
 from dgemma_cli.wire import Metrics, Progress
 from dgemma_engine.events import CanvasEvent, DoneEvent, StepEvent
 from dgemma_engine.chat.tool_calls import ToolCall, ToolCallFormat, ToolCallStream
@@ -45,6 +45,7 @@ class Plan:
     token_limit: int | None  # exact num_predict cut, None = until EOS
     constraint: Any = None  # the runner's compiled output format (structured output), None = free text
     checker: Any = None  # a task model's rules for this prompt (dgemma_engine.tasks), None = a text model
+    images: tuple = ()  # request_images.RequestImage per image marker in prompt_ids, in order
 
 
 def _ns(seconds: float) -> int:
@@ -52,18 +53,20 @@ def _ns(seconds: float) -> int:
 
 
 def plan_generation(runner: Runner, prompt_ids: list[int], sampler: SamplerSettings, max_canvases: int,
-                    structured: bool = False) -> Plan:
+                    structured: bool = False, images: list | tuple = ()) -> Plan:
     """Canvases = min(ceil(num_predict / C), DGEMMA_MAX_CANVASES, floor((num_ctx - prompt) / C))
     (docs/compat.md#canvas-budget). structured: the output format's stop id may sit right after the num_predict cut
-    (it is never delivered), so the canvases hold one more position: ceil((num_predict + 1) / C)."""
+    (it is never delivered), so the canvases hold one more position: ceil((num_predict + 1) / C). The prompt counts
+    each image at its most positions (its marker expands to boi, the soft tokens, eoi)."""
     canvas = runner.canvas_length
-    room = (runner.context_length - len(prompt_ids)) // canvas
+    prompt = len(prompt_ids) + image_room(runner, len(images))
+    room = (runner.context_length - prompt) // canvas
     if room < 1:
-        raise no_room_error(len(prompt_ids), canvas, runner.context_length)
+        raise no_room_error(prompt, canvas, runner.context_length)
     limit = sampler.num_predict if sampler.num_predict >= 1 else None
     wanted = math.ceil((limit + int(structured)) / canvas) if limit else max_canvases
     canvases = min(wanted, max_canvases, room)
-    return Plan(prompt_ids=list(prompt_ids), max_new_tokens=canvases * canvas, token_limit=limit)
+    return Plan(prompt_ids=list(prompt_ids), max_new_tokens=canvases * canvas, token_limit=limit, images=tuple(images))
 
 
 class StopScanner:
@@ -207,6 +210,8 @@ def run_generation(
     extra = {"constraint": plan.constraint} if plan.constraint is not None else {}
     if plan.checker is not None:
         extra["checker"] = plan.checker
+    if plan.images:
+        extra["images"] = list(plan.images)
     events = runner.generate(plan.prompt_ids, sampler, plan.max_new_tokens, cancel, **extra)
     try:
         for event in events:

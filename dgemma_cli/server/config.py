@@ -31,6 +31,7 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = env.ALLOWED_HOSTS.default
     max_upload: int = env.MAX_UPLOAD.default
     max_canvases: int = env.MAX_CANVASES.default
+    max_images: int = env.MAX_IMAGES.default
     max_steps: int = env.MAX_STEPS.default
     compat_version: str = env.COMPAT_VERSION.default
     schema_compile_timeout: float = env.SCHEMA_COMPILE_TIMEOUT.default  # CPU seconds

@@ -7,6 +7,7 @@ from dgemma_engine.arch import ARCH
 
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.names import ModelName
+from dgemma_cli.projector import is_projector
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.store import Store
 
@@ -16,7 +17,7 @@ def check_files(store: Store, files: dict[str, str]) -> list[Path]:
     security D)."""
     from dgemma_cli.gguf_check import GGUFError, read_gguf_info
 
-    paths = []
+    paths, projectors = [], []
     for digest in files.values():
         path = store.blob_path(digest)
         if not path.is_file():
@@ -25,12 +26,17 @@ def check_files(store: Store, files: dict[str, str]) -> list[Path]:
             info = read_gguf_info(path)
         except GGUFError:
             raise RequestError("supplied file was not in GGUF format") from None
+        if is_projector(info):  # a vision projector (Ollama's `projector` layer), checked by create
+            projectors.append(path)
+            continue
         if info.architecture != ARCH:
             raise RequestError(f'model architecture "{info.architecture or "unknown"}" is not supported by dgemma')
         paths.append(path)
     if len(paths) > 1:
         raise RequestError("split GGUF models (more than one file) are not supported")
-    return paths
+    if len(projectors) > 1:
+        raise RequestError("a model takes at most one vision projector")
+    return paths + projectors
 
 
 def check_adapters(store: Store, adapters: dict[str, str], gguf_paths: list[Path], from_: str | None) -> None:
@@ -51,10 +57,10 @@ def check_adapters(store: Store, adapters: dict[str, str], gguf_paths: list[Path
 
 
 def _adapter_base(store: Store, gguf_paths: list[Path], from_: str | None) -> Any:
-    from dgemma_cli.create import BaseShapes
+    from dgemma_cli.create import BaseShapes, is_projector_file
     from dgemma_cli.gguf_check import read_gguf_info
 
-    path = gguf_paths[0] if gguf_paths else None
+    path = next((p for p in gguf_paths if not is_projector_file(p)), None)
     if path is None and from_:
         try:
             path = store.resolve(ModelName.parse(from_)).gguf_path
@@ -96,8 +102,11 @@ def create(store: Store, name: ModelName, req: Any, gguf_paths: list[Path]):
     from dgemma_cli.modelfile import Modelfile
 
     licenses = [req.license] if isinstance(req.license, str) else list(req.license or [])
+    from dgemma_cli.create import is_projector_file
+
+    only_projectors = all(is_projector_file(path) for path in gguf_paths)  # then `from` names the model
     modelfile = Modelfile(
-        froms=[str(p) for p in gguf_paths] or [req.from_],
+        froms=([req.from_] if req.from_ and only_projectors else []) + [str(p) for p in gguf_paths],
         template=req.template,
         system=req.system,
         licenses=licenses,

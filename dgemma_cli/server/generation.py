@@ -19,7 +19,8 @@ from fastapi import Request
 from dgemma_cli.server import answers
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import RequestOptions
-from dgemma_cli.server.prompts import Prompt
+from dgemma_cli.server.prompts import Prompt, prompt_images
+from dgemma_cli.server.request_images import check_image_limits
 from dgemma_cli.server.services import ResolvedModel, Services, services
 from dgemma_cli.server.output_format import OutputFormat
 from dgemma_cli.server.streaming import WorkerStream, until_disconnected
@@ -117,6 +118,8 @@ class GenerationRequest:
 async def start(request: Request, svc: Services, gen: GenerationRequest) -> WorkerStream:
     """Compile the output format, queue for the model, build the prompt, plan the canvases, start the worker."""
     gen.prompt.check_size(gen.options.num_ctx)  # text that cannot fit: a 400 before any compile or load
+    images = list(gen.prompt.images)  # decoded and checked by the route (request_images.py)
+    check_image_limits(gen.model, len(images), svc.config.max_images, gen.options.num_ctx)
     automaton = None
     if gen.output_format is not None:  # compiled before queueing, so a costly schema never holds the model's slot
         automaton = await until_disconnected(request, compiled_format(svc, gen.model.local, gen.output_format))
@@ -126,10 +129,13 @@ async def start(request: Request, svc: Services, gen: GenerationRequest) -> Work
         runner, sampler = lease.runner, gen.options.sampler
         thinking = think_flag(gen.model, gen.think, runner.has_thinking)
         template_tools, tool_format = offered_tools(gen.model, runner, gen.tools)
+        if images and getattr(runner, "image_marker", None) is None:  # a projector its vocabulary cannot address
+            raise RequestError(f"{gen.model.full} does not support vision")
         prompt_ids = await asyncio.to_thread(gen.prompt.ids, runner, thinking, template_tools)
         task = TaskRequest.read(runner, prompt_ids)  # a task model's input (server/tasks.py); None: a text model
         plan = answers.plan_generation(runner, prompt_ids, sampler, svc.config.max_canvases,
-                                         structured=gen.output_format is not None)
+                                         structured=gen.output_format is not None,
+                                         images=prompt_images(prompt_ids, images, runner, gen.prompt.kept_images))
         if gen.output_format is not None:
             plan = replace(plan, constraint=automaton)
             await asyncio.to_thread(format_fits_budget, plan)  # a first check walks the automaton once

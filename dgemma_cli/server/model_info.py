@@ -37,33 +37,29 @@ def details_of(local: Any) -> ModelDetails:
 
 def show(local: Any, verbose: bool, loopback: bool) -> ShowResponse:
     """`/api/show` of a stored model; blob paths are shown on a loopback server only."""
-    from dgemma_cli.gguf_check import ArraySummary, read_gguf_info
+    from dgemma_cli.gguf_check import read_gguf_info
     from dgemma_cli.modelfile import Modelfile, format_modelfile
 
     info = read_gguf_info(local.gguf_path) if local.gguf_path is not None else None
     metadata = info.metadata if info is not None else {}
-    model_info: dict[str, Any] = {}
-    for key, value in metadata.items():
-        if key in (gguf_keys.KEY_NAME, gguf_keys.KEY_CHAT_TEMPLATE):
-            continue
-        if isinstance(value, ArraySummary):
-            value = []
-        elif isinstance(value, list | tuple) and len(value) > MODEL_INFO_ARRAY_LIMIT and not verbose:
-            value = []
-        model_info[key] = _jsonable(value)
+    model_info = _info_values(metadata, verbose)
     template = local.template or metadata.get(gguf_keys.KEY_CHAT_TEMPLATE) or ""
     capabilities = ["completion"]
     if metadata.get(gguf_keys.KEY_ARCHITECTURE, (local.config or {}).get("model_family")) == ARCH:
         capabilities.append("diffusion")
+    projector = getattr(local, "projector", None)
+    if projector is not None:
+        capabilities.append("vision")  # what Open WebUI reads to offer image upload; before tools, as Ollama
     if tool_format_of(ChatTemplate("jinja", jinja_template_text(local, metadata) or "")) is not None:
         capabilities.append("tools")  # before thinking, in Ollama's order
     if "enable_thinking" in str(template):
         capabilities.append("thinking")
     source = str(local.gguf_path) if loopback and local.gguf_path else local.name
-    # FROM <name> already brings the adapters along; blob paths are shown on a loopback server only
+    # FROM <name> already brings the adapters and the projector along; blob paths are shown on a loopback server only
     adapter_lines = [str(path) for path in local.adapters] if loopback and local.gguf_path else []
+    projector_lines = [str(projector)] if projector is not None and loopback and local.gguf_path else []
     modelfile = Modelfile(
-        froms=[source],
+        froms=[source, *projector_lines],  # Ollama: the projector is a second FROM
         template=local.template,
         system=local.system,
         licenses=list(local.license or []),
@@ -91,7 +87,37 @@ def show(local: Any, verbose: bool, loopback: bool) -> ShowResponse:
         modified_at=timestamp_of(getattr(local, "modified", 0.0)),
         tensors=tensors,
         adapters=adapter_infos(local) or None,
+        projector_info=projector_metadata(projector, verbose) if projector is not None else None,
     )
+
+
+def projector_metadata(path: Any, verbose: bool) -> dict[str, Any]:
+    """`projector_info` of `/api/show`: the projector GGUF's metadata, long arrays shortened as `model_info`'s."""
+    from dgemma_cli.gguf_check import GGUFError, read_gguf_info
+
+    try:
+        info = read_gguf_info(path)
+    except GGUFError as exc:
+        raise DgemmaError(f"the model's vision projector is damaged ({exc})") from None
+    metadata = _info_values(info.metadata, verbose)
+    metadata.setdefault(gguf_keys.KEY_PARAMETER_COUNT, info.parameter_count)  # what `show` prints as parameters
+    return metadata
+
+
+def _info_values(metadata: dict[str, Any], verbose: bool) -> dict[str, Any]:
+    """GGUF metadata as `/api/show` sends it: no name or template, arrays over 5 values empty unless verbose."""
+    from dgemma_cli.gguf_check import ArraySummary
+
+    values: dict[str, Any] = {}
+    for key, value in metadata.items():
+        if key in (gguf_keys.KEY_NAME, gguf_keys.KEY_CHAT_TEMPLATE):
+            continue
+        if isinstance(value, ArraySummary):
+            value = []
+        elif isinstance(value, list | tuple) and len(value) > MODEL_INFO_ARRAY_LIMIT and not verbose:
+            value = []
+        values[key] = _jsonable(value)
+    return values
 
 
 def adapter_infos(local: Any) -> list[AdapterInfo]:

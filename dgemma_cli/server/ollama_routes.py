@@ -39,6 +39,8 @@ from dgemma_cli.server.streaming import (
 )
 from dgemma_cli.server.output_format import ollama_format
 from dgemma_cli.server.prompts import GeneratePrompt, chat_prompt
+from dgemma_cli.server.request_images import (RequestImage, check_image_limits, checked_images,
+                                                decoded_message_images, from_base64)
 from dgemma_cli.server.validation import chat_role, check_name_text
 
 log = logging.getLogger("dgemma.server")
@@ -120,19 +122,20 @@ async def generate(req: wire.GenerateRequest, request: Request, svc: Services):
         raise RequestError("raw mode does not support template, system, or context")
     if req.suffix:
         raise RequestError(f"{model.full} does not support insert")
-    if req.images:
-        raise RequestError(f"{model.full} does not support vision")
     common_checks(model, req.logprobs, req.top_logprobs)
     output_format = ollama_format(req.format)
     steps = {} if req.steps is None else {"diffusion_steps": req.steps}
     options = await request_options(svc.config, model.local, {**(req.options or {}), **steps})
     keep_alive = _keep_alive(req.keep_alive)
-    if not req.prompt:
+    images = await _images(svc, model, req.images or [])
+    if not req.prompt and not images:
         reason = await load_or_unload(request, svc, model, options, keep_alive)
         return JSONResponse(_answer_line(model, False, "", "", True, done_reason=reason))
-    prompt = GeneratePrompt(req.prompt, req.system if req.system is not None else model.local.system, bool(req.raw),
-                            tuple(req.context or ()), req.truncate is not False,  # as Ollama: keep the prompt's end
-                            _request_template(req.template) if req.template and not req.raw else None)
+    prompt = GeneratePrompt(req.prompt or "", req.system if req.system is not None else model.local.system,
+                            bool(req.raw), tuple(req.context or ()),
+                            req.truncate is not False,  # as Ollama: keep the prompt's end
+                            _request_template(req.template) if req.template and not req.raw else None,
+                            tuple(images))
     gen = GenerationRequest(model, options, prompt, keep_alive, output_format, req.think)
     stream = await start(request, svc, gen)
     return await _answer(request, stream, model, req.stream, chat=False, with_context=not req.raw)
@@ -157,9 +160,6 @@ async def chat(req: wire.ChatRequest, request: Request, svc: Services):
     messages = [m.model_dump(exclude_none=True) for m in (req.messages or [])]
     for message in messages:
         message["role"] = chat_role(message["role"])
-        if message.get("images"):
-            raise RequestError(f"{model.full} does not support vision")
-        message.pop("images", None)
         message.setdefault("content", "")
         if message["role"] == "tool" and message.get("tool_name"):
             message.setdefault("name", message["tool_name"])  # the name HF-style templates read
@@ -167,6 +167,12 @@ async def chat(req: wire.ChatRequest, request: Request, svc: Services):
     output_format = ollama_format(req.format)
     options = await request_options(svc.config, model.local, req.options)
     keep_alive = _keep_alive(req.keep_alive)
+    for message in messages:  # each message keeps its own images (placed before its text, as Ollama does)
+        if message.get("images"):
+            message["images"] = [from_base64(text) for text in message["images"]]
+        else:
+            message.pop("images", None)
+    await decoded_message_images(model, messages, svc.config.max_images)
     if not messages:
         reason = await load_or_unload(request, svc, model, options, keep_alive)
         return JSONResponse(_answer_line(model, True, "", "", True, done_reason=reason))
@@ -174,6 +180,15 @@ async def chat(req: wire.ChatRequest, request: Request, svc: Services):
     gen = GenerationRequest(model, options, prompt, keep_alive, output_format, req.think, req.tools)
     stream = await start(request, svc, gen)
     return await _answer(request, stream, model, req.stream, chat=True, with_context=False)
+
+
+async def _images(svc: Services, model: ResolvedModel, payloads: list[Any]) -> list[RequestImage]:
+    """Ollama's base64 `images`: refused for a text-only model and checked against the count limit before any is
+    decoded, then each decoded once (server/request_images.py)."""
+    if not payloads:
+        return []
+    check_image_limits(model, len(payloads), svc.config.max_images)
+    return await checked_images([from_base64(text) for text in payloads])
 
 
 def _keep_alive(value: Any) -> float | None:
@@ -226,7 +241,8 @@ async def tags(request: Request) -> JSONResponse:
             size=e.size,
             digest=e.digest,
             details=model_info.details(e.details),
-            capabilities=["completion", "diffusion"] if e.details.get("family") == ARCH else ["completion"],
+            capabilities=(["completion", "diffusion"] if e.details.get("family") == ARCH else ["completion"])
+            + (["vision"] if e.vision else []),
         )
         for e in entries
     ]

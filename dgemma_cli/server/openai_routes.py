@@ -19,6 +19,7 @@ from dgemma_cli.server.answers import Final, Text
 from dgemma_cli.server.generation import GenerationRequest, admitted, common_checks, start
 from dgemma_cli.server.options import request_options
 from dgemma_cli.server.prompts import ChatPrompt, chat_prompt
+from dgemma_cli.server.request_images import decoded_message_images, from_data_url, url_of
 from dgemma_cli.server.routing import CheckedRoute
 from dgemma_cli.server.services import Services, services
 from dgemma_cli.server.streaming import (
@@ -92,7 +93,7 @@ def _chat_messages(model, messages: list[wire.OpenAIMessage]) -> list[dict]:
     out = []
     for message in messages:
         role = chat_role(message.role)
-        entry: dict[str, Any] = {"role": role, "content": _message_text(model, message)}
+        entry: dict[str, Any] = {"role": role, **_message_content(message)}
         if message.tool_calls:
             entry["tool_calls"] = _history_tool_calls(message.tool_calls)
             for call in entry["tool_calls"]:
@@ -119,20 +120,25 @@ def _head(prefix: str, model) -> dict[str, Any]:
             "system_fingerprint": FINGERPRINT}
 
 
-def _message_text(model, message: wire.OpenAIMessage) -> str:
+def _message_content(message: wire.OpenAIMessage) -> dict[str, Any]:
+    """`content` as text; `image_url` parts (base64 `data:` URLs) as `images`, each at its place in the text
+    (`image_places`, prompts.with_image_markers)."""
     content = message.content
     if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
+        return {"content": content or ""}
+    text, images, places = "", [], []
     for part in content:
         kind = part.get("type")
         if kind == "text":
-            parts.append(str(part.get("text", "")))
-        elif kind in ("image_url", "input_audio", "image", "file"):
-            raise RequestError(f"{model.full} does not support vision")
+            text += str(part.get("text", ""))
+        elif kind == "image_url":
+            images.append(from_data_url(url_of(part)))
+            places.append(len(text))
+        elif kind in ("input_audio", "file"):
+            raise RequestError(f"{kind} content parts are not supported")
         else:
             raise RequestError(f"unsupported content part type {kind!r}")
-    return "".join(parts)
+    return {"content": text, **({"images": images, "image_places": places} if images else {})}
 
 
 async def _start(request: Request, svc: Services, model, req: Any, prompt: ChatPrompt, max_tokens: int | None, think: Any = None,
@@ -170,7 +176,9 @@ async def chat_completions(req: wire.ChatCompletionRequest, request: Request, sv
         schema = (req.response_format.json_schema or {}).get("schema")
         output_format = openai_format(req.response_format.type, schema)
     common_checks(model, req.logprobs, req.top_logprobs)
-    prompt = chat_prompt(model.local, _chat_messages(model, req.messages), truncate=req.truncate is not False)
+    messages = _chat_messages(model, req.messages)
+    await decoded_message_images(model, messages, svc.config.max_images)
+    prompt = chat_prompt(model.local, messages, truncate=req.truncate is not False)
     think = req.reasoning_effort if req.reasoning_effort not in (None, "none") else None
     stream = await _start(request, svc, model, req, prompt, req.max_completion_tokens or req.max_tokens, think,
                           output_format, req.tools)

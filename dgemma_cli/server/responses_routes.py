@@ -20,6 +20,7 @@ from dgemma_cli.server.services import Services
 from dgemma_cli.server.streaming import SSE, GuardedStreamingResponse, WorkerStream, collect, error_message, guarded_stream
 from dgemma_cli.server.options import request_options
 from dgemma_cli.server.prompts import chat_prompt
+from dgemma_cli.server.request_images import decoded_message_images, from_data_url, url_of
 from dgemma_cli.server.routing import CheckedRoute
 from dgemma_cli.server.output_format import openai_format
 from dgemma_cli.server.validation import chat_role
@@ -31,22 +32,33 @@ INPUT_TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def _content_text(model, content: Any) -> str:
+    """Text-only content (a tool's output)."""
+    entry = _content(content)
+    if entry.get("images"):
+        raise RequestError("images are only supported in message content")
+    return entry["content"]
+
+
+def _content(content: Any) -> dict[str, Any]:
+    """A message's content: its text, and its `input_image` parts (base64 `data:` URLs in `image_url`) as `images`,
+    each at its place in the text (`image_places`, prompts.with_image_markers)."""
     if content is None or isinstance(content, str):
-        return content or ""
+        return {"content": content or ""}
     if not isinstance(content, list):
         raise RequestError("content must be a string or an array of content parts")
-    parts = []
+    text, images, places = "", [], []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in INPUT_TEXT_PARTS:
-            parts.append(str(part.get("text", "")))
+            text += str(part.get("text", ""))
         elif kind == "input_image":
-            raise RequestError(f"{model.full} does not support vision")
+            images.append(from_data_url(url_of(part)))
+            places.append(len(text))
         elif kind == "input_file":
             raise RequestError("file inputs are not currently supported")
         else:
             raise RequestError(f"unknown content type: {kind}")
-    return "".join(parts)
+    return {"content": text, **({"images": images, "image_places": places} if images else {})}
 
 
 def _arguments(text: Any) -> dict:
@@ -75,7 +87,7 @@ class _History:
         role = chat_role(str(item.get("role") or "user"))
         if role == "tool":  # tool results are `function_call_output` items here
             raise RequestError(f"invalid message role {role!r}")
-        self.messages.append({"role": role, "content": _content_text(self.model, item.get("content"))})
+        self.messages.append({"role": role, **_content(item.get("content"))})
 
     def function_call(self, item: dict) -> None:
         name, call_id = item.get("name"), item.get("call_id")
@@ -348,6 +360,7 @@ async def create_response(req: wire.ResponsesRequest, request: Request, svc: Ser
     if req.text is not None and req.text.format is not None:
         output_format = openai_format(req.text.format.type, req.text.format.schema_)
     messages = _input_messages(model, req)
+    await decoded_message_images(model, messages, svc.config.max_images)
     if not messages:
         raise RequestError("input must not be empty")
     effort = (req.reasoning or {}).get("effort")

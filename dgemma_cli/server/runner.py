@@ -13,6 +13,7 @@ from dgemma_engine.arch import ARCH
 
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import SamplerSettings
+from dgemma_cli.server.request_images import encode_images
 from dgemma_engine import gguf_keys
 from dgemma_engine.chat.templates import render_prompt, select_template, tool_format_of
 
@@ -26,6 +27,10 @@ class Runner(Protocol):
     has_thinking: bool
     tool_format: Any  # dgemma_engine.chat.tool_calls.ToolCallFormat of the chat template, None: it cannot render tools
     special_tokens: Any  # dgemma_engine.chat.special_tokens of the vocabulary: what a per-request template renders with
+    image_marker: str | None  # the image token's text, where an image goes in a prompt; None: no vision
+    image_token_id: int | None
+    image_positions: int  # prompt positions one image takes at most (boi, soft tokens, eoi); 0 without vision
+    renders_image_parts: bool  # the chat template renders `{"type": "image"}` content parts itself (Gemma 4's)
 
     def render_chat(self, messages: list[dict], think: bool | None, tools: list[dict] | None = None) -> str: ...
 
@@ -35,11 +40,12 @@ class Runner(Protocol):
 
     def generate(
         self, prompt_ids: list[int], sampler: SamplerSettings, max_new_tokens: int, cancel: threading.Event,
-        constraint: Any = None, checker: Any = None,
+        constraint: Any = None, checker: Any = None, images: list[Any] | None = None,
     ) -> Iterator[Any]:
         """Yields the generation loop's StepEvent / CanvasEvent / DoneEvent (`dgemma_engine.events`); with a
         `constraint` (a TokenAutomaton), the committed text follows that format (structured output); with a task
-        model's `checker` (dgemma_engine.tasks), canvases are chosen and corrected by its rules."""
+        model's `checker` (dgemma_engine.tasks), canvases are chosen and corrected by its rules; `images`
+        (request_images.RequestImage) go where their markers are in `prompt_ids`, in order."""
         ...
 
     def close(self) -> None: ...
@@ -100,12 +106,47 @@ class EngineRunner:
         self.tool_format = tool_format_of(self.template)
         self.size = os.path.getsize(local_model.gguf_path)
         self.size_vram = vram_bytes(self.model.placement, self.size)
+        self.projector = None
+        self.image_marker, self.image_token_id, self.image_positions = None, None, 0
+        self.renders_image_parts = False
+        if getattr(local_model, "projector", None) is not None:
+            try:
+                self._load_vision(local_model.projector, threads)
+            except BaseException:  # a projector that does not load: nothing stays allocated
+                self.close()
+                raise
         from dgemma_engine.devices import list_devices
 
         found = ", ".join(f"{d.name} ({d.description})" for d in list_devices())
         log.info("loaded %s; devices: %s; %s", getattr(local_model, "name", "") or self.gguf_path_name(local_model),
                  found, self.model.placement.describe())
         self.gguf_path = str(local_model.gguf_path)
+
+    def _load_vision(self, projector_path: Any, threads: int | None) -> None:
+        """The projector (`dgemma_engine.vision.Projector`) and the vocabulary's image token. An engine without the
+        vision module, or a vocabulary without the token, leaves the model text-only: requests with images are then
+        refused with Ollama's error."""
+        import importlib.util
+
+        if importlib.util.find_spec("dgemma_engine.vision") is None:  # MERGE: the vision engine (vis-engine)
+            log.warning("this engine has no vision module; images will be refused")
+            return
+        ids = self.tokenize(IMAGE_MARKER)
+        if len(ids) != 1:
+            log.warning("the vocabulary has no %s token; images will be refused", IMAGE_MARKER)
+            return
+        from dgemma_engine.vision import Projector
+
+        self.projector = Projector.load(str(projector_path), n_threads=threads)
+        self.size += os.path.getsize(projector_path)  # /api/ps counts the vision tower's weights too
+        self.image_marker, self.image_token_id = IMAGE_MARKER, ids[0]
+        self.image_positions = self.projector.geometry.max_soft_tokens + 2
+        self.renders_image_parts = template_renders_images(self.template, self.special_tokens)
+        with self._lock:  # the first context was made before the projector: remake it with room for an image
+            old, self._contexts = self._contexts, []
+        for ctx in old:
+            ctx.close()
+        self._contexts.append(self._new_context())
 
     @staticmethod
     def gguf_path_name(local_model: Any) -> str:
@@ -114,7 +155,11 @@ class EngineRunner:
     def _new_context(self, max_canvases: int = 1) -> Any:
         from dgemma_engine.model import Context
 
-        return Context(self.model, n_ctx=self.context_length, threads=self.threads, max_canvases=max_canvases)
+        images = {}
+        if getattr(self, "projector", None) is not None:  # an image is encoded in one pass: room for the largest
+            images["max_image_tokens"] = self.projector.geometry.max_soft_tokens
+        return Context(self.model, n_ctx=self.context_length, threads=self.threads, max_canvases=max_canvases,
+                       **images)
 
     def render_chat(self, messages: list[dict], think: bool | None, tools: list[dict] | None = None) -> str:
         return render_prompt(self.template, messages, think, self.special_tokens, tools)
@@ -127,11 +172,16 @@ class EngineRunner:
 
     def generate(
         self, prompt_ids: list[int], sampler: SamplerSettings, max_new_tokens: int, cancel: threading.Event,
-        constraint: Any = None, checker: Any = None,
+        constraint: Any = None, checker: Any = None, images: list[Any] | None = None,
     ) -> Iterator[Any]:
         from dgemma_engine.constrained import CanvasConstraint
         from dgemma_engine.generate import eos_ids_from_metadata, generate
 
+        extra = {}
+        if images:  # encoded here, in the worker thread, once the slot is held
+            if self.projector is None:
+                raise RequestError("this model does not support vision")
+            extra["images"] = encode_images(self.projector, images)
         canvas_constraint = None
         if constraint is not None:  # fresh per generation: it follows the automaton's state across canvases
             limit = sampler.num_predict if sampler.num_predict >= 1 else None
@@ -149,6 +199,7 @@ class EngineRunner:
                 cancel=cancel,
                 constraint=canvas_constraint,
                 checker=checker,
+                **extra,
             )
         finally:
             with self._lock:
@@ -175,4 +226,20 @@ class EngineRunner:
             contexts, self._contexts = self._contexts, []
         for ctx in contexts:
             ctx.close()
+        if self.projector is not None:
+            self.projector.close()
         self.model.close()
+
+
+IMAGE_MARKER = "<|image|>"  # Gemma 4's image token: one per image in a rendered prompt
+
+
+def template_renders_images(template: Any, special_tokens: Any) -> bool:
+    """Whether the chat template turns a `{"type": "image"}` content part into the image token itself (Gemma 4's
+    does); otherwise the server splices the token's text into the message (prompts.with_image_markers)."""
+    probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]
+    try:
+        text = render_prompt(template, probe, None, special_tokens)
+    except Exception:  # noqa: BLE001 - a template that cannot render parts does not render images
+        return False
+    return text.count(IMAGE_MARKER) == 1
