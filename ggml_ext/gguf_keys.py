@@ -77,3 +77,25 @@ SPECIAL_TOKEN_KEYS = {"bos": KEY_BOS_ID, "eos": KEY_EOS_ID, "unk": KEY_UNKNOWN_I
 # LoRA adapter files (llama.cpp's keys), with KEY_GENERAL_TYPE "adapter"
 KEY_ADAPTER_TYPE = "adapter.type"
 KEY_LORA_ALPHA = "adapter.lora.alpha"
+
+# Vision projector files (llama.cpp's mtmd `clip.*` keys, tools/mtmd/clip-impl.h; docs/gguf.md#vision-projector),
+# general.architecture "clip". mtmd has no key for the soft-token budget or the 2-D RoPE base of Gemma 4's tower
+# (its gemma4v loader hard-codes 40..280 tokens and θ = 100), so those two are dgemma's own.
+KEY_CLIP_PROJECTOR_TYPE = "clip.projector_type"
+KEY_CLIP_HAS_VISION_ENCODER = "clip.has_vision_encoder"
+KEY_CLIP_USE_GELU = "clip.use_gelu"
+KEY_VISION_IMAGE_SIZE = "clip.vision.image_size"
+KEY_VISION_PATCH_SIZE = "clip.vision.patch_size"
+KEY_VISION_EMBEDDING_LENGTH = "clip.vision.embedding_length"
+KEY_VISION_FEED_FORWARD_LENGTH = "clip.vision.feed_forward_length"
+KEY_VISION_BLOCK_COUNT = "clip.vision.block_count"
+KEY_VISION_PROJECTION_DIM = "clip.vision.projection_dim"
+KEY_VISION_HEAD_COUNT = "clip.vision.attention.head_count"
+KEY_VISION_HEAD_COUNT_KV = "clip.vision.attention.head_count_kv"
+KEY_VISION_HEAD_DIM = "clip.vision.attention.head_dim"
+KEY_VISION_LAYER_NORM_EPS = "clip.vision.attention.layer_norm_epsilon"
+KEY_VISION_IMAGE_MEAN = "clip.vision.image_mean"
+KEY_VISION_IMAGE_STD = "clip.vision.image_std"
+KEY_VISION_POOLING = "clip.vision.projector.scale_factor"  # the pooling kernel size k (mtmd's n_merge)
+KEY_VISION_MAX_SOFT_TOKENS = "dgemma.vision.max_soft_tokens"
+KEY_VISION_ROPE_FREQ_BASE = "dgemma.vision.rope.freq_base"
