@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "ggml_ext" / "csrc"
 ENGINE = CSRC / "engine"
 HOOKS = CSRC / "engine_tests"
-BINDINGS = [ROOT / "ggml_ext" / "model.py", ROOT / "ggml_ext" / "devices.py"]  # every ctypes binding of _engine
+BINDINGS = [ROOT / "ggml_ext" / "model.py", ROOT / "ggml_ext" / "devices.py", ROOT / "ggml_ext" / "vision.py"]  # every ctypes binding of _engine
 
 _TOKEN = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.S)
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)

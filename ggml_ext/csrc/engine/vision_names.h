@@ -3,11 +3,13 @@
 // tests/test_convert_mmproj.py ties the two.
 #pragma once
 
+#include "gguf_names.h"  // the names both layouts share
+
 #define DG_V_ARCH "clip"
 #define DG_V_PROJECTOR_GEMMA4V "gemma4v"
 
 // Metadata keys
-#define DG_V_KEY_ARCHITECTURE "general.architecture"
+#define DG_V_KEY_ARCHITECTURE DG_KEY_ARCHITECTURE
 #define DG_V_KEY_PROJECTOR_TYPE "clip.projector_type"
 #define DG_V_KEY_HAS_VISION_ENCODER "clip.has_vision_encoder"
 #define DG_V_KEY_PATCH_SIZE "clip.vision.patch_size"
@@ -38,8 +40,8 @@
 #define DG_V_FFN_GATE "ffn_gate"
 #define DG_V_FFN_UP "ffn_up"
 #define DG_V_FFN_DOWN "ffn_down"
-#define DG_V_ATTN_Q_NORM "attn_q_norm.weight"
-#define DG_V_ATTN_K_NORM "attn_k_norm.weight"
+#define DG_V_ATTN_Q_NORM DG_TENSOR_ATTN_Q_NORM
+#define DG_V_ATTN_K_NORM DG_TENSOR_ATTN_K_NORM
 #define DG_V_ATTN_POST_NORM "attn_post_norm.weight"
 #define DG_V_LN2 "ln2.weight"
 #define DG_V_FFN_POST_NORM "ffn_post_norm.weight"
