@@ -140,8 +140,9 @@ def test_the_type_policy(converted):
 def source_of(name: str) -> str:
     """The checkpoint tensor of a GGUF name (the inverse map, written out here independently of convert/mmproj.py)."""
     table = {"ln1.weight": "input_layernorm.weight", "attn_q_norm.weight": "self_attn.q_norm.weight",
-             "attn_k_norm.weight": "self_attn.k_norm.weight", "attn_post_norm.weight": "post_attention_layernorm.weight",
-             "ln2.weight": "pre_feedforward_layernorm.weight", "ffn_post_norm.weight": "post_feedforward_layernorm.weight"}
+             "attn_k_norm.weight": "self_attn.k_norm.weight",
+             "attn_post_norm.weight": "post_attention_layernorm.weight", "ln2.weight": "pre_feedforward_layernorm.weight",
+             "ffn_post_norm.weight": "post_feedforward_layernorm.weight"}
     linear = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
               "attn_out": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
               "ffn_down": "mlp.down_proj"}

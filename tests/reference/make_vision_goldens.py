@@ -42,7 +42,8 @@ def smooth_image(rng: np.random.Generator, height: int, width: int) -> np.ndarra
     y, x = np.mgrid[0:height, 0:width].astype(np.float64)
     img = np.zeros((height, width, 3))
     for c in range(3):
-        img[..., c] = 128 + 90 * np.sin(x / (3 + 5 * rng.random()) + rng.random() * 6) * np.cos(y / (4 + 6 * rng.random()))
+        wave_x, wave_y = np.sin(x / (3 + 5 * rng.random()) + rng.random() * 6), np.cos(y / (4 + 6 * rng.random()))
+        img[..., c] = 128 + 90 * wave_x * wave_y
     for _ in range(3):
         cx, cy, r = rng.random() * width, rng.random() * height, 2 + rng.random() * max(height, width) / 4
         img += (rng.random(3) * 120 - 60) * np.exp(-((x - cx) ** 2 + (y - cy) ** 2) / (2 * r * r))[..., None]

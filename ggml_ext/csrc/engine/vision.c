@@ -185,9 +185,8 @@ static struct ggml_tensor *vwant(vloader *ld, bool required, const char *name, e
                    (long long)ne[0], (long long)ne[1], (long long)ne[2], (long long)ne[3]);
         return NULL;
     }
-    const bool ok = kind == V_VEC_F32 ? t->type == GGML_TYPE_F32
-                  : kind == V_FLOAT   ? (t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_F16 || t->type == GGML_TYPE_BF16)
-                                      : vision_matrix_type(t->type);
+    const bool is_float = t->type == GGML_TYPE_F32 || t->type == GGML_TYPE_F16 || t->type == GGML_TYPE_BF16;
+    const bool ok = kind == V_VEC_F32 ? t->type == GGML_TYPE_F32 : kind == V_FLOAT ? is_float : vision_matrix_type(t->type);
     if (!ok) {
         dg_set_err(ld->err, ld->err_len, "tensor '%s' has unsupported type %s for its role", name,
                    ggml_type_name(t->type));

@@ -1,5 +1,5 @@
-// The GGUF names of a vision projector file (llama.cpp's mtmd layout for Gemma 4, "gemma4v"; docs/gguf.md#vision-projector),
-// written once here for C. The Python spellings live in ggml_ext/arch.py, ggml_ext/gguf_keys.py and convert/mmproj.py;
+// The GGUF names of a vision projector file (llama.cpp's mtmd layout for Gemma 4, "gemma4v";
+// docs/gguf.md#vision-projector), written once here for C. The Python spellings live in ggml_ext/arch.py, ggml_ext/gguf_keys.py and convert/mmproj.py;
 // tests/test_convert_mmproj.py ties the two.
 #pragma once
 
