@@ -397,6 +397,22 @@ static struct ggml_tensor *rope_2d(vgraph *g, struct ggml_tensor *x) {
     return ggml_concat(g->ctx, parts[0], parts[1], 0);
 }
 
+// softmax(k·q)·v of one head: k [hd, n], q [hd, n] (rows of hd), v [n, hd] -> [hd, n], through the engine's F32
+// panel product (ggml's F32 matmul vectorises along hd = 72 and ran the released tower's attention 2-3x slower);
+// NULL where that product does not apply (no AVX2), and the caller keeps ggml's batched form.
+static struct ggml_tensor *head_attention(struct ggml_context *ctx, struct ggml_tensor *k, struct ggml_tensor *q,
+                                          struct ggml_tensor *v) {
+    struct ggml_tensor *kq = dg_build_f32_matmul(ctx, k, q);
+    if (!kq) return NULL;
+    return dg_build_f32_matmul(ctx, v, ggml_soft_max_ext(ctx, kq, NULL, 1.0f, 0.0f));  // scale 1, no mask
+}
+
+// Column-wise concatenation of parts[0..n) along dim 0, as a balanced tree (each level copies the whole once).
+static struct ggml_tensor *concat_rows(struct ggml_context *ctx, struct ggml_tensor **parts, int n) {
+    if (n == 1) return parts[0];
+    return ggml_concat(ctx, concat_rows(ctx, parts, n / 2), concat_rows(ctx, parts + n / 2, n - n / 2), 0);
+}
+
 static struct ggml_tensor *attention(vgraph *g, const dg_vision_layer *L, struct ggml_tensor *x, int64_t n) {
     const dg_vision_hparams *hp = &g->m->hp;
     struct ggml_context *ctx = g->ctx;
@@ -407,12 +423,27 @@ static struct ggml_tensor *attention(vgraph *g, const dg_vision_layer *L, struct
     q = rope_2d(g, norm_w(g, q, L->q_norm));
     k = rope_2d(g, norm_w(g, k, L->k_norm));
     v = norm_w(g, v, NULL);
-    struct ggml_tensor *Q = ggml_permute(ctx, q, 0, 2, 1, 3);                // [hd, n, heads]
     struct ggml_tensor *Kt = ggml_cont(ctx, ggml_permute(ctx, k, 0, 2, 1, 3));  // [hd, n, kv heads]
     struct ggml_tensor *Vt = ggml_cont(ctx, ggml_permute(ctx, v, 1, 2, 0, 3));  // [n, hd, kv heads]
-    struct ggml_tensor *kq = ggml_soft_max_ext(ctx, ggml_mul_mat(ctx, Kt, Q), NULL, 1.0f, 0.0f);  // scale 1, no mask
-    struct ggml_tensor *out = ggml_mul_mat(ctx, Vt, kq);                     // [hd, n, heads]
-    out = ggml_cont_2d(ctx, ggml_permute(ctx, out, 0, 2, 1, 3), hd * hp->n_head, n);
+    struct ggml_tensor *heads[4096];  // n_head <= 4096 (read_vision_hparams)
+    const int group = hp->n_head / hp->n_head_kv;  // query heads per K/V head, as transformers' repeat_kv
+    bool per_head = true;
+    for (int h = 0; per_head && h < hp->n_head; h++) {
+        const int kv = h / group;
+        struct ggml_tensor *qh = ggml_view_2d(ctx, q, hd, n, q->nb[2], (size_t)h * q->nb[1]);
+        struct ggml_tensor *kh = ggml_view_2d(ctx, Kt, hd, n, Kt->nb[1], (size_t)kv * Kt->nb[2]);
+        struct ggml_tensor *vh = ggml_view_2d(ctx, Vt, n, hd, Vt->nb[1], (size_t)kv * Vt->nb[2]);
+        per_head = (heads[h] = head_attention(ctx, kh, qh, vh)) != NULL;
+    }
+    struct ggml_tensor *out;
+    if (per_head) {
+        out = concat_rows(ctx, heads, hp->n_head);  // [hd · heads, n]
+    } else {
+        struct ggml_tensor *Q = ggml_permute(ctx, q, 0, 2, 1, 3);  // [hd, n, heads]
+        struct ggml_tensor *kq = ggml_soft_max_ext(ctx, ggml_mul_mat(ctx, Kt, Q), NULL, 1.0f, 0.0f);  // scale 1
+        out = ggml_mul_mat(ctx, Vt, kq);                             // [hd, n, heads]
+        out = ggml_cont_2d(ctx, ggml_permute(ctx, out, 0, 2, 1, 3), hd * hp->n_head, n);
+    }
     return linear(g, L, L_OUT, out);
 }
 
@@ -457,13 +488,15 @@ static int pooling_targets(const dg_vision_model *m, const int32_t *positions, i
     return n_soft;
 }
 
+// Nodes of one image's graph: per layer ~60 plus ~12 per head (views, two products, a softmax, the concatenation).
+static size_t graph_nodes(const dg_vision_hparams *hp) { return (64 + 12 * (size_t)hp->n_head) * hp->n_layer + 256; }
+
 static struct ggml_cgraph *build_vision_graph(vgraph *g, int64_t n, int64_t n_soft, struct ggml_tensor **inp,
                                               struct ggml_tensor **pool, struct ggml_tensor **result) {
     const dg_vision_model *m = g->m;
     const dg_vision_hparams *hp = &m->hp;
     struct ggml_context *ctx = g->ctx;
-    const size_t n_nodes = 96 * (size_t)hp->n_layer + 256;
-    struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, n_nodes, false);
+    struct ggml_cgraph *gf = ggml_new_graph_custom(ctx, graph_nodes(hp), false);
     const int64_t H = hp->n_embd, p = hp->patch_size;
 
     *inp = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 3 * p * p, n);  // 2·(x − 0.5), channel-major per patch
@@ -540,7 +573,7 @@ int dg_vision_encode(dg_vision_model *m, const float *patches, const int32_t *po
             for (int r = 0; r < pp; r++) dst[c * pp + r] = 2.0f * (src[r * 3 + c] - 0.5f);
     }
 
-    const size_t n_nodes = 96 * (size_t)hp->n_layer + 256;
+    const size_t n_nodes = graph_nodes(hp);
     struct ggml_init_params ip = {ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false), NULL,
                                   true};
     ctx = ggml_init(ip);
