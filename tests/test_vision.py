@@ -243,3 +243,29 @@ def test_a_missing_file(tmp_path):
     assert "cannot open" in load_error(tmp_path / "nope.gguf")
     shutil.copy(FIXTURE / "config.json", tmp_path / "x.gguf")
     assert "GGUF" in load_error(tmp_path / "x.gguf")
+
+
+# ---- the shared vision fixture tiny-v (tests/reference/make_vision_fixtures.py): its image goldens ------------------
+
+TINY_V = FIXTURE.parent / "tiny-v"
+
+
+@pytest.fixture(scope="module")
+def tiny_v(tmp_path_factory) -> Projector:
+    path = convert_mmproj(TINY_V, tmp_path_factory.mktemp("tiny-v") / "p.gguf", "f32").path
+    with Projector.load(str(path), 2) as projector:
+        yield projector
+
+
+@pytest.mark.parametrize("name", ["square", "tall", "wide"])
+def test_tiny_v_images(tiny_v, name):
+    """tiny-v's processor output (padded to max_soft_tokens·k² rows, padding at position -1) and image features."""
+    goldens = np.load(TINY_V / "golden" / "images.npz")
+    image = prepare_image(np.asarray(Image.open(TINY_V / "images" / f"{name}.png").convert("RGB")), tiny_v.geometry)
+    n = image.patches.shape[0]
+    assert (goldens[f"{name}_position_ids"][n:] == -1).all() and (goldens[f"{name}_position_ids"][:n] >= 0).all()
+    assert np.array_equal(image.patches, goldens[f"{name}_pixel_values"][:n])
+    assert np.array_equal(image.positions, goldens[f"{name}_position_ids"][:n])
+    features = goldens[f"{name}_features"]
+    assert image.n_soft_tokens == features.shape[0]
+    assert np.abs(tiny_v.encode(image) - features).max() < 1e-4
