@@ -139,12 +139,12 @@ def make_quantizer(tensors: list[PlannedTensor], threads: int | None) -> GGMLQua
 
 def write_gguf(outfile: Path, metadata: list[KeyValue], tensors: list[PlannedTensor],
                tensor_bytes: Callable[[PlannedTensor], Iterator[bytes | np.ndarray]],
-               progress: ProgressSink | None = None) -> None:
+               progress: ProgressSink | None = None, arch: str = ARCH) -> None:
     """Write metadata and tensor infos, then each tensor's chunks; the file appears only when complete."""
     if outfile.is_dir():
         raise ConvertError(f"output path is a folder: {outfile}")
     progress = progress or ProgressSink()
-    with StreamingGGUFWriter(outfile, ARCH) as writer:
+    with StreamingGGUFWriter(outfile, arch) as writer:
         for kv in metadata:
             writer.add_key_value(kv.key, kv.value, kv.vtype, kv.sub_type)
         for t in tensors:

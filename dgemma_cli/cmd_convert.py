@@ -33,6 +33,11 @@ def convert(
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="quantizer threads (default: all cores)"),
     lora: Optional[Path] = typer.Option(None, "--lora", help="convert this PEFT LoRA adapter folder instead"),
     base: Optional[Path] = typer.Option(None, "--base", help="with --lora: check the adapter against this base GGUF"),
+    mmproj_outfile: Optional[Path] = typer.Option(None, "--mmproj-outfile",
+                                                  help="also write the vision projector GGUF (llama.cpp mtmd layout)"),
+    mmproj_outtype: Optional[str] = typer.Option(None, "--mmproj-outtype",
+                                                 help="projector type: f32, f16, bf16, q8_0 (default: --outtype if "
+                                                      "one of those, else f16)"),
 ) -> None:
     """Convert a DiffusionGemma checkpoint to GGUF (llama.cpp PR #24423 / Unsloth layout).
 
@@ -50,6 +55,9 @@ def convert(
         raise typer.BadParameter("missing: give a checkpoint folder, or --lora PEFT_DIR", ctx=ctx, param=param)
     if base is not None:
         raise ConvertError("--base goes with --lora")
+    if mmproj_outtype is not None and mmproj_outfile is None:
+        raise ConvertError("--mmproj-outtype goes with --mmproj-outfile")
+    projector = plan_projector(hf_dir, outtype, mmproj_outtype) if mmproj_outfile is not None else None
     # a terminated conversion unwinds like an interrupted one: the temporary output file is removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     interactive = sys.stderr.isatty()
@@ -58,6 +66,34 @@ def convert(
     if interactive:
         size_gib = result.nbytes / 2**30
         print(f"wrote {result.path} ({result.n_tensors} tensors, {size_gib:.2f} GiB) in {result.seconds:.1f} s",
+              file=sys.stderr)
+    if mmproj_outfile is not None:
+        write_projector(hf_dir, mmproj_outfile, projector, threads, interactive)
+
+
+def plan_projector(hf_dir: Path, outtype: str, mmproj_outtype: Optional[str]) -> Optional[str]:
+    """The projector's output type, checked before the text model is converted; None (with a one-line note) when the
+    checkpoint has no vision tower: the text model is still written and the command succeeds, as Ollama's create
+    does for a text-only model."""
+    from dgemma_convert.mmproj import MMPROJ_OUT_TYPES, plan_mmproj
+
+    chosen = mmproj_outtype or (outtype.lower() if outtype.lower() in MMPROJ_OUT_TYPES else "f16")
+    if plan_mmproj(hf_dir, chosen) is None:
+        print(f"note: {hf_dir} has no vision tower (no vision_config in config.json); no projector written",
+              file=sys.stderr)
+        return None
+    return chosen
+
+
+def write_projector(hf_dir: Path, outfile: Path, outtype: Optional[str], threads: Optional[int],
+                    interactive: bool) -> None:
+    from dgemma_convert import convert_mmproj
+
+    if outtype is None:
+        return
+    result = convert_mmproj(hf_dir, outfile, outtype, threads=threads)
+    if interactive and result is not None:
+        print(f"wrote {result.path} ({result.n_tensors} tensors, {result.nbytes / 2**20:.1f} MiB, {outtype})",
               file=sys.stderr)
 
 

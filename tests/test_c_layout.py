@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "ggml_ext" / "csrc"
 ENGINE = CSRC / "engine"
 HOOKS = CSRC / "engine_tests"
-BINDINGS = [ROOT / "ggml_ext" / name for name in ("model.py", "devices.py", "_lib.py")]  # every ctypes binding of _engine
+BINDINGS = [ROOT / "ggml_ext" / name for name in ("model.py", "devices.py", "vision.py", "_lib.py")]  # the ctypes bindings of _engine
 
 _TOKEN = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.S)
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)

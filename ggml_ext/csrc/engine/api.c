@@ -196,3 +196,23 @@ DG_API const char *dg_context_step_report(const dg_context *c) { return c->step_
 DG_API int dg_context_soft_embedding(dg_context *c, const float *probs, int n, float *out, char *err, size_t err_len) {
     return dg_run_soft_embedding(c, probs, n, out, err, err_len);
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// vision: the projector GGUF (Gemma 4's vision tower), ggml_ext/vision.py binds these
+
+DG_API dg_vision_model *dg_vision_load(const char *path, int n_threads, char *err, size_t err_len) {
+    return dg_vision_load_impl(path, n_threads, err, err_len);
+}
+
+DG_API void dg_vision_free(dg_vision_model *m) { dg_vision_free_impl(m); }
+
+DG_API const dg_vision_hparams *dg_vision_get_hparams(const dg_vision_model *m) { return &m->hp; }
+
+DG_API size_t dg_vision_hparams_size(void) { return sizeof(dg_vision_hparams); }
+
+// One image: its soft tokens' embeddings (embed_vision's output) into out [n_soft, n_embd_text]; n_soft, or -1.
+DG_API int dg_vision_encode_image(dg_vision_model *m, const float *patches, const int32_t *positions, int n_patches,
+                                  float *out, int out_rows, char *err, size_t err_len) {
+    if (err && err_len) err[0] = 0;
+    return dg_vision_encode(m, patches, positions, n_patches, out, out_rows, err, err_len);
+}

@@ -363,3 +363,54 @@ int dg_set_self_cond_top_k(dg_context *c, int k, char *err, size_t err_len);
 float *dg_last_logits(const dg_context *c);
 // out [n, H] = probs [n, V] · E through the step's soft-embedding graph (no embedding scale)
 int dg_run_soft_embedding(dg_context *c, const float *probs, int n, float *out, char *err, size_t err_len);
+
+// ---------------------------------------------------------------------------------------------------------------
+// vision.c: Gemma 4's vision tower + embed_vision from a projector GGUF (llama.cpp's mtmd "gemma4v" layout,
+// docs/engine.md#vision-encoder), on its own CPU backend; independent of the text model.
+
+enum { DG_V_LINEARS = 7 };  // the clippable linears of a layer: q, k, v, out, gate, up, down
+
+// Hyper-parameters as read from the projector (mirrored by ctypes in vision.py: keep the field order).
+typedef struct dg_vision_hparams {
+    int32_t n_embd;
+    int32_t n_ff;
+    int32_t n_layer;
+    int32_t n_head;
+    int32_t n_head_kv;
+    int32_t head_dim;
+    int32_t patch_size;
+    int32_t pooling;          // k: each soft token is the mean of a k×k block of patches
+    int32_t n_pos_table;      // rows of each (x and y) position table
+    int32_t n_embd_text;      // the projection's output width (the text model's hidden size)
+    int32_t max_soft_tokens;  // the image budget: at most max_soft_tokens·k² patches per image
+    float eps;
+    float rope_base;
+    int32_t has_standardize;
+    int32_t has_clip;         // some linear has clip bounds (Gemma4ClippableLinear)
+} dg_vision_hparams;
+
+typedef struct dg_vision_layer {
+    struct ggml_tensor *ln1, *q_norm, *k_norm, *attn_post_norm, *ln2, *ffn_post_norm;
+    struct ggml_tensor *w[DG_V_LINEARS];  // q, k, v, out, gate, up, down
+    float bounds[DG_V_LINEARS][4];        // input min, max, output min, max (±INFINITY: unbounded)
+} dg_vision_layer;
+
+typedef struct dg_vision_model {
+    dg_vision_hparams hp;
+    struct gguf_context *gguf;
+    struct ggml_context *ctx_file;
+    void *map;
+    size_t map_size;
+    ggml_backend_buffer_t buf_file;  // wraps the mapping
+    struct ggml_tensor *patch_embd, *pos_embd, *std_bias, *std_scale, *input_proj;
+    dg_vision_layer *layers;
+    ggml_backend_t backend;          // the CPU
+    int n_threads;
+} dg_vision_model;
+
+dg_vision_model *dg_vision_load_impl(const char *path, int n_threads, char *err, size_t err_len);
+void dg_vision_free_impl(dg_vision_model *m);
+// patches [n, 3·p·p] in the HF processor's order (row, column, channel; values in [0, 1]), positions [n, 2] (x, y);
+// writes [n / k², n_embd_text] floats to out (room for out_rows rows). Returns the soft-token count, or -1 with err.
+int dg_vision_encode(dg_vision_model *m, const float *patches, const int32_t *positions, int n_patches, float *out,
+                     int out_rows, char *err, size_t err_len);
