@@ -6,7 +6,6 @@ The projector files are small GGUF headers written here with gguf-py (`store_hel
 converter's own projector output is tested with the vision engine."""
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -170,17 +169,12 @@ def test_cli_create_with_two_froms_and_show_projector_block(tmp_path, files):
     assert store.read_manifest("again").layers[:2] == store.read_manifest("vis").layers[:2]
 
 
-# ---- FROM a checkpoint with a vision tower: the merge with the converter's projector and the tiny-v fixture ---------
+# ---- FROM a checkpoint with a vision tower: both parts converted --------------------------------------------------
 
 TINY_V = Path(__file__).parent / "fixtures" / "tiny-v"
-MERGED = importlib.util.find_spec("dgemma_convert.mmproj") is not None and TINY_V.is_dir()
 
 
-@pytest.mark.xfail(not MERGED, strict=True, raises=AssertionError,
-                   reason="MERGE: needs dgemma_convert.convert_mmproj (vis-engine) and tests/fixtures/tiny-v "
-                          "(vis-prefill)")
 def test_from_a_checkpoint_with_a_vision_tower_converts_both_parts(store, tmp_path):
-    assert MERGED, "the converter's projector or the tiny-v fixture is missing"
     statuses = [e["status"] for e in create(store, "tiny-v", f"FROM {TINY_V}\n", tmp_path)]
     assert "converting projector" in statuses
     assert media_types(store, "tiny-v") == [MEDIA_MODEL, MEDIA_PROJECTOR]

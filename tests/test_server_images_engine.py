@@ -1,19 +1,13 @@
 """Images end to end through the real engine (after the merge of the vision engine, the image prefill and the API):
 a model created `FROM` the tiny-v checkpoint (text model and projector converted), served with the real runner, answers
-an image on `/api/generate`, `/api/chat` and `/v1/chat/completions`, and the image changes the answer.
-
-Marked xfail (strict) until `dgemma_engine.vision` (vis-engine), `generate(..., images=)` and tests/fixtures/tiny-v
-(vis-prefill) are in the tree: then it must pass."""
+an image on `/api/generate`, `/api/chat` and `/v1/chat/completions`, and the image changes the answer."""
 from __future__ import annotations
 
 import base64
-import importlib.util
-import inspect
 from pathlib import Path
 
 import ollama
 import openai
-import pytest
 
 from dgemma_cli.create import create_model
 from dgemma_cli.modelfile import parse_modelfile
@@ -25,18 +19,7 @@ TINY_V = Path(__file__).parent / "fixtures" / "tiny-v"
 OPTIONS = {"diffusion_steps": 4, "seed": 1, "num_predict": 16}
 
 
-def merged() -> bool:
-    if importlib.util.find_spec("dgemma_engine.vision") is None or not TINY_V.is_dir():
-        return False
-    from dgemma_engine.generate import generate
-
-    return "images" in inspect.signature(generate).parameters
-
-
-@pytest.mark.xfail(not merged(), strict=True, raises=AssertionError,
-                   reason="MERGE: needs dgemma_engine.vision, generate(images=) and tests/fixtures/tiny-v")
 def test_an_image_reaches_the_model_on_every_api(tmp_path):
-    assert merged(), "the vision engine, the image prefill or the tiny-v fixture is missing"
     store = Store(tmp_path / "store")
     list(create_model("tiny-v", parse_modelfile(f"FROM {TINY_V}\n"), store, tmp_path))
     png = (TINY_V / "images" / "square.png").read_bytes()
