@@ -21,7 +21,16 @@ NumCpuMoe = Annotated[int, typer.Option("--num-cpu-moe", help="first N layers ke
 Lora = Annotated[Optional[List[str]], typer.Option(
     "--lora", help="LoRA adapter: a GGUF LoRA file or a PEFT adapter folder; PATH:SCALE scales it (default 1); repeatable")]
 ImageEmbeds = Annotated[Optional[List[Path]], typer.Option(
-    "--image-embeds", help=".npy of one image's embeddings, float32 (n_soft, n_embd), per image marker of the prompt; repeatable")]
+    "--image-embeds", help=".npy of one image's embeddings, float32 (n_soft, n_embd), per image of the prompt; repeatable")]
+Mmproj = Annotated[Optional[Path], typer.Option("--mmproj", help="the projector GGUF that encodes --image files")]
+Images = Annotated[Optional[List[Path]], typer.Option(
+    "--image", help="an image file, per image of the prompt (a marker or its whole boi, image × n, eoi block); repeatable")]
+
+
+def images_of(image_embeds, mmproj, image_files, threads):
+    from dgemma_engine.debug import debug_images
+
+    return debug_images(image_embeds or [], mmproj, image_files or [], threads)
 
 
 def adapter_files(values: Optional[List[str]]):
@@ -45,13 +54,16 @@ def logits(
     num_cpu_moe: NumCpuMoe = 0,
     lora: Lora = None,
     image_embeds: ImageEmbeds = None,
+    mmproj: Mmproj = None,
+    image: Images = None,
 ) -> None:
     """Write the softcapped decoder logits for one denoising step (prompt encoded first)."""
     from dgemma_engine.debug import debug_logits
 
     with adapter_files(lora) as adapters:
         debug_logits(model, parse_ids(prompt_ids), parse_ids(canvas_ids), sc_logits, sc_temperature, out, threads,
-                     adapters=adapters, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe, image_embeds=image_embeds or [])
+                     adapters=adapters, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe,
+                     images=images_of(image_embeds, mmproj, image, threads))
 
 
 @app.command("generate")
@@ -76,6 +88,8 @@ def generate(
     num_cpu_moe: NumCpuMoe = 0,
     lora: Lora = None,
     image_embeds: ImageEmbeds = None,
+    mmproj: Mmproj = None,
+    image: Images = None,
 ) -> None:
     """Print JSON {"sequence": [...], "steps_per_canvas": [...]} for one generation."""
     from dgemma_engine.debug import debug_generate
@@ -86,5 +100,5 @@ def generate(
             t_min=t_min, entropy_bound=entropy_bound, confidence_threshold=confidence_threshold,
             stability_threshold=stability_threshold, threads=threads, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe,
             num_canvases=num_canvases, self_cond_top_k=self_cond_top_k, adapters=adapters,
-            image_embeds=image_embeds or [],
+            images=images_of(image_embeds, mmproj, image, threads),
         )

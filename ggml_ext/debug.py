@@ -13,19 +13,36 @@ from dgemma_engine.image_prompt import image_context_size, read_image_embeds
 from dgemma_engine.model import Context, Model
 
 
+def debug_images(image_embeds: Sequence[str | os.PathLike] = (), mmproj: str | os.PathLike | None = None,
+                 image_files: Sequence[str | os.PathLike] = (), threads: int | None = None) -> list[np.ndarray]:
+    """The images of a debug command, one float32 [n_soft, n_embd] array each: `--image-embeds` files as they are,
+    or `--image` files through the `--mmproj` projector."""
+    if image_files and image_embeds:
+        raise EngineError("give --image-embeds or --mmproj with --image, not both")
+    if image_files and not mmproj:
+        raise EngineError("--image needs --mmproj (the projector GGUF)")
+    if mmproj and not image_files:
+        raise EngineError("--mmproj needs at least one --image")
+    if image_files:
+        from dgemma_engine.vision import encode_image_files
+
+        return encode_image_files(mmproj, image_files, threads)
+    return read_image_embeds(image_embeds)
+
+
 def debug_logits(model: str | os.PathLike, prompt_ids: list[int], canvas_ids: list[int],
                  sc_logits: str | os.PathLike | None, sc_temperature: float, out: str | os.PathLike,
                  threads: int | None = None, adapters: Sequence = (), num_gpu: int | None = None,
-                 num_cpu_moe: int = 0, image_embeds: Sequence[str | os.PathLike] = ()) -> None:
+                 num_cpu_moe: int = 0, images: Sequence[np.ndarray] = ()) -> None:
     """Write float32 [len(canvas_ids), vocab]: the softcapped logits of one decoder step after encoding the prompt.
 
     With `sc_logits` (an .npy of the previous step's *raw* logits) the step is self-conditioned on them, tempered by
     `sc_temperature` inside the engine; without it the step is the first of a canvas. `adapters`, `num_gpu`,
-    `num_cpu_moe`: as `Model.load` takes them (the placement, so parity is checked per placement). `image_embeds`:
-    one .npy (float32 [n_soft, n_embd]) per image marker of the prompt (docs/engine.md#prefill-with-images)."""
+    `num_cpu_moe`: as `Model.load` takes them (the placement, so parity is checked per placement). `images`
+    (debug_images): one float32 [n_soft, n_embd] array per image of the prompt, which holds a marker or the image's
+    whole block (boi, image × n, eoi) for each (docs/engine.md#prefill-with-images)."""
     if not canvas_ids:
         raise EngineError("--canvas-ids must not be empty")
-    images = read_image_embeds(image_embeds)
     with Model.load(model, threads=threads, adapters=adapters, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe) as m:
         previous = _load_sc_logits(sc_logits, len(canvas_ids), m.hparams.n_vocab) if sc_logits else None
         expanded, longest = (image_context_size(prompt_ids, images, m.metadata, m.hparams.n_embd) if images

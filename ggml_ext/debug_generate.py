@@ -18,7 +18,7 @@ from dgemma_engine.errors import EngineError
 from dgemma_engine.generate import (CanvasEvent, DoneEvent, SamplerParams, StepEvent, eos_ids_from_metadata, generate,
                                     torch_compatible_sequence)
 from dgemma_engine.gguf_keys import KEY_PADDING_ID
-from dgemma_engine.image_prompt import image_context_size, read_image_embeds
+from dgemma_engine.image_prompt import image_context_size
 from dgemma_engine.model import Context, Model
 from dgemma_engine.settings import SettingError, check_values
 
@@ -78,16 +78,15 @@ def debug_generate(model: str | os.PathLike, prompt_ids: list[int], seed: int = 
                    threads: int | None = None, eos_ids: Sequence[int] | None = None,
                    out: TextIO | None = None, num_gpu: int | None = None, num_cpu_moe: int = 0,
                    num_canvases: int | None = None, self_cond_top_k: int | None = None, adapters: Sequence = (),
-                   image_embeds: Sequence[str | os.PathLike] = ()) -> dict[str, Any]:
+                   images: Sequence[Any] = ()) -> dict[str, Any]:
     """Load the GGUF (with LoRA `adapters` as `Model.load` takes them), generate, print the JSON line to `out`
-    (stdout) and return it as a dict. `image_embeds`: one .npy (float32 [n_soft, n_embd]) per image marker."""
+    (stdout) and return it as a dict. `images`: as `run_debug_generation` takes them (debug.debug_images)."""
     if rng not in ("torch", "fast"):
         raise EngineError(f"--rng must be 'torch' or 'fast', got {rng!r}")
     if max_new_tokens < 1:
         raise EngineError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if seed < 0:
         raise EngineError(f"--seed must be >= 0, got {seed}")
-    images = read_image_embeds(image_embeds)
     with Model.load(model, threads=threads, num_gpu=num_gpu, num_cpu_moe=num_cpu_moe, adapters=adapters) as m:
         params = SamplerParams.from_metadata(
             m.metadata, max_steps=steps, t_min=t_min, t_max=t_max, entropy_bound=entropy_bound,

@@ -91,6 +91,45 @@ def expand_image_markers(prompt_ids: Sequence[int], images: Sequence[Any], token
     return ImagePrompt(ids=ids, spans=tuple(spans))
 
 
+def as_marker_prompt(prompt_ids: Sequence[int], tokens: ImageTokens) -> tuple[list[int], list[int | None]]:
+    """A prompt as an image processor writes it (boi, image × n, eoi per image) back to one marker per image, with
+    each block's n (None for an image given as one marker already). A block that is not boi, image × n ≥ 1, eoi is an
+    error."""
+    prompt = [int(t) for t in prompt_ids]
+    ids: list[int] = []
+    counts: list[int | None] = []
+    i = 0
+    while i < len(prompt):
+        t = prompt[i]
+        if t == tokens.boi:
+            j = i + 1
+            while j < len(prompt) and prompt[j] == tokens.image:
+                j += 1
+            if j == i + 1 or j == len(prompt) or prompt[j] != tokens.eoi:
+                raise EngineError(f"the prompt's image block at position {i} is not {BOI_TOKEN}, {IMAGE_TOKEN} × n, "
+                                  f"{EOI_TOKEN}")
+            ids.append(tokens.image)
+            counts.append(j - i - 1)
+            i = j + 1
+            continue
+        if t == tokens.eoi:
+            raise EngineError(f"the prompt has {EOI_TOKEN} at position {i} without its {BOI_TOKEN}")
+        ids.append(t)
+        if t == tokens.image:
+            counts.append(None)
+        i += 1
+    return ids, counts
+
+
+def check_image_counts(counts: Sequence[int | None], images: Sequence[Any]) -> None:
+    """Each expanded block of a prompt (as_marker_prompt) holds as many image tokens as its image has soft tokens."""
+    for k, (n, image) in enumerate(zip(counts, images)):
+        rows = np.shape(image)[0] if np.ndim(image) else 0
+        if n is not None and n != rows:
+            raise EngineError(f"image {k} has {rows} soft tokens but its block in the prompt holds {n} "
+                              f"{IMAGE_TOKEN} tokens")
+
+
 def read_image_embeds(paths: Sequence[str | os.PathLike]) -> list[np.ndarray]:
     """`--image-embeds X.npy` files (debug commands): one float32 [n_soft, n_embd] array each, in order."""
     arrays = []
@@ -104,6 +143,10 @@ def read_image_embeds(paths: Sequence[str | os.PathLike]) -> list[np.ndarray]:
 
 def image_context_size(prompt_ids: Sequence[int], images: Sequence[Any], metadata: dict[str, Any],
                        n_embd: int) -> tuple[ImagePrompt, int]:
-    """The expanded prompt and the longest image (soft tokens): what a context for this prompt must hold."""
-    expanded = expand_image_markers(prompt_ids, images, image_token_ids(metadata), n_embd)
+    """The expanded prompt and the longest image (soft tokens): what a context for this prompt must hold. The prompt
+    holds one marker per image, or each image's whole block as a processor writes it (checked against the image)."""
+    tokens = image_token_ids(metadata)
+    markers, counts = as_marker_prompt(prompt_ids, tokens)
+    check_image_counts(counts, images)
+    expanded = expand_image_markers(markers, images, tokens, n_embd)
     return expanded, max((s.embeddings.shape[0] for s in expanded.spans), default=0)

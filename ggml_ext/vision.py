@@ -189,3 +189,23 @@ class Projector:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def encode_image_files(projector_path: str | os.PathLike, paths, n_threads: int | None = None) -> list[np.ndarray]:
+    """Image files through the projector (what `debug logits|generate --mmproj P --image IMG` feed the prompt): one
+    float32 [n_soft, n_embd_text] array per file, in order."""
+    from dgemma_engine.images import ImageError, decode_image
+
+    embeddings = []
+    with Projector.load(str(projector_path), n_threads=n_threads) as projector:
+        for path in paths:
+            try:
+                data = open(path, "rb").read()
+            except OSError as exc:
+                raise EngineError(f"cannot read --image {path}: {exc.strerror or exc}") from None
+            try:
+                rgb = decode_image(data)
+            except ImageError as exc:
+                raise EngineError(f"--image {path}: {exc}") from None
+            embeddings.append(projector.encode(prepare_image(rgb, projector.geometry)))
+    return embeddings

@@ -227,19 +227,19 @@ def write_embeds(tmp_path: Path, run: dict[str, np.ndarray]) -> list[Path]:
 
 
 def test_debug_logits_with_image_embeds(tmp_path, gguf_path):
-    from dgemma_engine.debug import debug_logits
+    from dgemma_engine.debug import debug_images, debug_logits
 
     run = load_case("two")
     out = tmp_path / "out.npy"
     debug_logits(gguf_path("tiny-v", "f32"), run["marker_prompt"].tolist(), run["canvas"][0].tolist(), None, 1.0,
-                 out, 1, image_embeds=write_embeds(tmp_path, run))
+                 out, 1, images=debug_images(write_embeds(tmp_path, run)))
     assert np.abs(np.load(out) - run["raw"][0]).max() < TOLERANCE
 
 
 def test_debug_generate_with_image_embeds_is_token_exact(tmp_path, gguf_path):
     import io
 
-    from dgemma_engine.debug import debug_generate
+    from dgemma_engine.debug import debug_generate, debug_images
 
     run = load_case("square")
     meta = INDEX["cases"]["square"]
@@ -249,20 +249,19 @@ def test_debug_generate_with_image_embeds_is_token_exact(tmp_path, gguf_path):
                             t_min=gen["t_min"], entropy_bound=gen["entropy_bound"],
                             confidence_threshold=gen["confidence_threshold"],
                             stability_threshold=gen["stability_threshold"], threads=1, eos_ids=gen["eos_token_id"],
-                            out=io.StringIO(), image_embeds=write_embeds(tmp_path, run))
+                            out=io.StringIO(), images=debug_images(write_embeds(tmp_path, run)))
     assert result["sequence"] == run["seq"].tolist()
     assert result["steps_per_canvas"] == meta["steps_per_canvas"]
 
 
 def test_debug_image_embeds_errors(tmp_path, gguf_path):
-    from dgemma_engine.debug import debug_logits
+    from dgemma_engine.debug import debug_images, debug_logits
 
     run = load_case("square")
     missing = tmp_path / "missing.npy"
     with pytest.raises(EngineError, match="cannot read --image-embeds"):
-        debug_logits(gguf_path("tiny-v", "f32"), run["marker_prompt"].tolist(), [5] * 16, None, 1.0,
-                     tmp_path / "o.npy", 1, image_embeds=[missing])
+        debug_images([missing])
     with pytest.raises(EngineError, match=r"0 image marker\(s\)"):
         debug_logits(gguf_path("tiny-v", "f32"), [2, 10, 11], [5] * 16, None, 1.0, tmp_path / "o.npy", 1,
-                     image_embeds=write_embeds(tmp_path, run))
+                     images=debug_images(write_embeds(tmp_path, run)))
     assert not (tmp_path / "o.npy").exists()
