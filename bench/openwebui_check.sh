@@ -5,12 +5,13 @@
 #
 # 1. installs Open WebUI (and Playwright) in its own venv outside the repo, and Debian's chromium when missing
 #    (Playwright's own browser download is not used);
-# 2. starts `dgemma serve` (access log on) on a fresh store with the bundled `sudoku` model and `tiny-tools`, the
-#    random-weight test fixture tiny-a, whose Gemma-4-style template declares tools;
+# 2. starts `dgemma serve` (access log on) on a fresh store with the bundled `sudoku` model, `tiny-tools`, the
+#    random-weight test fixture tiny-a, whose Gemma-4-style template declares tools, and `tiny-vision`, the fixture
+#    tiny-v with its vision projector;
 # 3. starts Open WebUI pointed at it (OLLAMA_BASE_URL, WEBUI_AUTH=False, offline: no model downloads, no update
 #    check, no telemetry);
-# 4. bench/openwebui_driver.py sends one chat to each model through the browser and reads the stored chat back
-#    (answer, title, tags, follow-ups);
+# 4. bench/openwebui_driver.py sends one chat to each model through the browser (to tiny-vision with an uploaded
+#    image) and reads the stored chat back (answer, title, tags, follow-ups, images);
 # 5. checks dgemma's access log: every request Open WebUI made (chat, title, tags, follow-ups) answered 200.
 #
 # Environment: OPENWEBUI_WORK (work folder), OPENWEBUI_VERSION (0.12.4), DGEMMA_PYTHON (the repo's .venv python),
@@ -79,6 +80,9 @@ if [ ! -s "$WORK/tiny-a.gguf" ]; then
 fi
 printf 'FROM %s\nPARAMETER diffusion_steps 4\n' "$WORK/tiny-a.gguf" >"$WORK/tiny-tools.Modelfile"
 $DGEMMA create tiny-tools -f "$WORK/tiny-tools.Modelfile" 2>/dev/null
+# a vision model: the tiny-v checkpoint, text model and projector converted by `create`
+printf 'FROM %s\nPARAMETER diffusion_steps 4\n' "$REPO/tests/fixtures/tiny-v" >"$WORK/tiny-vision.Modelfile"
+$DGEMMA create tiny-vision -f "$WORK/tiny-vision.Modelfile" 2>/dev/null
 $DGEMMA show sudoku >/dev/null  # the bundled model registers itself on first use
 $DGEMMA list
 
@@ -100,7 +104,9 @@ say "chatting through headless Chromium ($CHROMIUM); screenshots in $OUT"
 status=0
 "$VENV/bin/python" "$REPO/bench/openwebui_driver.py" --webui "http://127.0.0.1:$WEBUI_PORT" --out "$OUT" \
     --chromium "$CHROMIUM" --chat "sudoku:latest=$SUDOKU_PUZZLE" \
-    --chat "tiny-tools:latest=What is the weather in Paris?" || status=1
+    --chat "tiny-tools:latest=What is the weather in Paris?" \
+    --chat "tiny-vision:latest=What is in this picture?" \
+    --image "tiny-vision:latest=$REPO/tests/fixtures/tiny-v/images/square.png" || status=1
 
 # ---- 5. what the server saw -------------------------------------------------------------------------------------------
 say "dgemma access log: inference requests by status"

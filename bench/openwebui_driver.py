@@ -5,7 +5,8 @@ Run by bench/openwebui_check.sh inside Open WebUI's venv (which has playwright);
 
     python bench/openwebui_driver.py --webui http://127.0.0.1:8080 --out DIR --chromium /usr/bin/chromium \
         --chat "sudoku:latest=530070000600195000098000060800060003400803001700020006060000280000419005000080079" \
-        --chat "tiny-tools:latest=What is the weather in Paris?"
+        --chat "tiny-tools:latest=What is the weather in Paris?" \
+        --chat "tiny-vision:latest=What is in this picture?" --image "tiny-vision:latest=tests/fixtures/tiny-v/images/square.png"
 
 Prints one JSON line per chat and exits 1 when a chat got no answer or its title/tags never arrived.
 """
@@ -35,6 +36,7 @@ class ChatResult:
     title: str = ""
     tags: list[str] = field(default_factory=list)
     follow_ups: list[str] = field(default_factory=list)
+    images_sent: int = 0
     screenshots: list[str] = field(default_factory=list)
 
     @property
@@ -80,13 +82,29 @@ def latest_assistant(chat: dict) -> dict:
     return max(replies, key=lambda m: m.get("timestamp", 0)) if replies else {}
 
 
-def run_chat(page: Page, base: str, out: Path, model: str, prompt: str, timeout: float) -> ChatResult:
+def attach_image(page: Page, image: Path) -> None:
+    """Upload an image through the chat box's file input, as the paperclip menu does, and wait for its preview."""
+    page.locator('input[type="file"]').first.set_input_files(str(image))
+    page.wait_for_selector(f'img[alt="{image.name}"], img[src^="data:image"], img[src*="/files/"]', timeout=30_000)
+
+
+def sent_images(chat: dict) -> int:
+    """Images on the chat's user messages, as Open WebUI stored them (0.12: a file whose content type is an image)."""
+    messages = chat.get("history", {}).get("messages", {}) or {}
+    return sum(1 for m in messages.values() if m.get("role") == "user" for f in (m.get("files") or [])
+               if f.get("type") == "image" or str(f.get("content_type", "")).startswith("image/"))
+
+
+def run_chat(page: Page, base: str, out: Path, model: str, prompt: str, timeout: float,
+             image: Path | None = None) -> ChatResult:
     result = ChatResult(model=model, prompt=prompt)
     slug = model.replace(":", "_").replace("/", "_")
     page.goto(f"{base}/?models={quote(model)}")
     page.wait_for_selector("#chat-input", timeout=60_000)
     dismiss_popups(page)
     shot(page, out, f"{slug}-1-empty", result)
+    if image:
+        attach_image(page, image)
     page.locator("#chat-input").click()
     page.keyboard.type(prompt)
     page.keyboard.press("Enter")
@@ -104,6 +122,7 @@ def run_chat(page: Page, base: str, out: Path, model: str, prompt: str, timeout:
         result.title = chat.get("title", "")
         result.tags = list(chat.get("tags") or [])
         result.follow_ups = list(reply.get("followUps") or [])
+        result.images_sent = sent_images(chat)
         if result.error or (result.tags and result.follow_ups):
             break
         if result.answer and result.title not in ("", DEFAULT_TITLE):
@@ -128,9 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chromium", default="/usr/bin/chromium", help="a system Chromium (Playwright's own "
                                                                         "browser download is not needed)")
     parser.add_argument("--chat", action="append", required=True, help="MODEL=PROMPT (repeatable)")
+    parser.add_argument("--image", action="append", default=[], help="MODEL=PATH: attach this image to MODEL's chat")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per chat for answer, title and tags")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    images = {model: Path(path) for model, _, path in (spec.partition("=") for spec in args.image)}
     results = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=args.chromium, headless=True,
@@ -139,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         for spec in args.chat:
             model, _, prompt = spec.partition("=")
             try:
-                results.append(run_chat(page, args.webui, args.out, model, prompt, args.timeout))
+                result = run_chat(page, args.webui, args.out, model, prompt, args.timeout, images.get(model))
+                if model in images and not result.images_sent:
+                    result.error = result.error or "the image was not stored with the message"
+                results.append(result)
             except Exception as exc:  # noqa: BLE001  (reported, the other chats still run)
                 failed = ChatResult(model=model, prompt=prompt, error=f"driver: {exc}")
                 try:
