@@ -4,10 +4,15 @@
 // real file size (so nothing is allocated from an untrusted number), rejects unknown types, more than 4 dims,
 // overflowing shapes, misaligned or out-of-file tensor data, empty or duplicate keys and duplicate names. Only then does model.c hand the
 // bytes to gguf_init_from_buffer.
+#define _POSIX_C_SOURCE 200809L  // fstat, O_CLOEXEC under -std=c11
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "engine.h"
 
@@ -340,4 +345,43 @@ done:
     free(offsets);
     free(nbytes);
     return ok;
+}
+
+// Map `path` read-only, check its bytes (dg_gguf_check) and parse it with ggml: tensor metadata in *ctx_file, the
+// data left in the mapping. On failure err is set; whatever was mapped is left in *map / *map_size (MAP_FAILED when
+// nothing) for the caller's cleanup to unmap.
+bool dg_gguf_map(const char *path, void **map, size_t *map_size, struct gguf_context **gguf,
+                 struct ggml_context **ctx_file, char *err, size_t err_len) {
+    *map = MAP_FAILED;
+    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        dg_set_err(err, err_len, "cannot open '%s'", path);
+        return false;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        dg_set_err(err, err_len, "'%s' is not a regular file", path);
+        return false;
+    }
+    *map_size = (size_t)st.st_size;
+    if (*map_size < 24) {
+        close(fd);
+        dg_set_err(err, err_len, "not a GGUF file: '%s' has only %zu bytes", path, *map_size);
+        return false;
+    }
+    *map = mmap(NULL, *map_size, PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (*map == MAP_FAILED) {
+        dg_set_err(err, err_len, "cannot memory-map '%s'", path);
+        return false;
+    }
+    if (!dg_gguf_check(*map, *map_size, err, err_len)) return false;
+    struct gguf_init_params gp = {true, ctx_file};
+    *gguf = gguf_init_from_buffer(*map, *map_size, gp);
+    if (!*gguf || !*ctx_file) {
+        dg_set_err(err, err_len, "ggml could not parse the GGUF file '%s'", path);
+        return false;
+    }
+    return true;
 }

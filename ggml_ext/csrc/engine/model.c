@@ -477,37 +477,7 @@ dg_model *dg_model_load_impl(const char *path, int n_threads, bool check_only, c
     m->n_threads = n_threads;
     m->map = MAP_FAILED;
 
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        dg_set_err(err, err_len, "cannot open '%s'", path);
-        goto fail;
-    }
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        dg_set_err(err, err_len, "'%s' is not a regular file", path);
-        goto fail;
-    }
-    m->map_size = (size_t)st.st_size;
-    if (m->map_size < 24) {
-        close(fd);
-        dg_set_err(err, err_len, "not a GGUF file: '%s' has only %zu bytes", path, m->map_size);
-        goto fail;
-    }
-    m->map = mmap(NULL, m->map_size, PROT_READ, MAP_SHARED, fd, 0);
-    close(fd);
-    if (m->map == MAP_FAILED) {
-        dg_set_err(err, err_len, "cannot memory-map '%s'", path);
-        goto fail;
-    }
-    if (!dg_gguf_check(m->map, m->map_size, err, err_len)) goto fail;
-
-    struct gguf_init_params gp = {true, &m->ctx_file};
-    m->gguf = gguf_init_from_buffer(m->map, m->map_size, gp);
-    if (!m->gguf || !m->ctx_file) {
-        dg_set_err(err, err_len, "ggml could not parse the GGUF file '%s'", path);
-        goto fail;
-    }
+    if (!dg_gguf_map(path, &m->map, &m->map_size, &m->gguf, &m->ctx_file, err, err_len)) goto fail;
     if (!read_hparams(&ld) || !bind_tensors(&ld)) goto fail;
     if (check_only) return m;  // every check a load makes is done; what follows allocates and cannot fail on the file
 

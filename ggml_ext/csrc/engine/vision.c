@@ -297,36 +297,7 @@ dg_vision_model *dg_vision_load_impl(const char *path, int n_threads, char *err,
     m->map = MAP_FAILED;
     m->n_threads = n_threads > 0 ? n_threads : 1;
 
-    const int fd = open(path, O_RDONLY | O_CLOEXEC);
-    struct stat st;
-    if (fd < 0) {
-        dg_set_err(err, err_len, "cannot open '%s'", path);
-        goto fail;
-    }
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        dg_set_err(err, err_len, "'%s' is not a regular file", path);
-        goto fail;
-    }
-    m->map_size = (size_t)st.st_size;
-    if (m->map_size < 24) {
-        close(fd);
-        dg_set_err(err, err_len, "not a GGUF file: '%s' has only %zu bytes", path, m->map_size);
-        goto fail;
-    }
-    m->map = mmap(NULL, m->map_size, PROT_READ, MAP_SHARED, fd, 0);
-    close(fd);
-    if (m->map == MAP_FAILED) {
-        dg_set_err(err, err_len, "cannot memory-map '%s'", path);
-        goto fail;
-    }
-    if (!dg_gguf_check(m->map, m->map_size, err, err_len)) goto fail;
-    struct gguf_init_params gp = {true, &m->ctx_file};
-    m->gguf = gguf_init_from_buffer(m->map, m->map_size, gp);
-    if (!m->gguf || !m->ctx_file) {
-        dg_set_err(err, err_len, "ggml could not parse the GGUF file '%s'", path);
-        goto fail;
-    }
+    if (!dg_gguf_map(path, &m->map, &m->map_size, &m->gguf, &m->ctx_file, err, err_len)) goto fail;
     // every tensor lies inside the file (dg_gguf_check walked them; never trust twice-parsed data)
     const size_t data_offset = gguf_get_data_offset(m->gguf);
     for (int64_t i = 0; i < gguf_get_n_tensors(m->gguf); i++) {
