@@ -514,11 +514,7 @@ def checked_projector(path: Path | None, model: GGUFInfo | None) -> None:
 def converted_projector(checkpoint: Path, quant: str | None, work: Path) -> Iterator[dict[str, Any]]:
     """The vision projector of a checkpoint folder, converted into `work` (None: the checkpoint has no vision tower).
     The converter's projector writer (`dgemma_convert.convert_mmproj`) is the one `dgemma convert
-    --mmproj-outfile` uses; a converter without it converts the text model alone."""
-    import importlib.util
-
-    if importlib.util.find_spec("dgemma_convert.mmproj") is None:  # MERGE: the converter's projector (vis-engine)
-        return None
+    --mmproj-outfile` uses."""
     from dgemma_convert.mmproj import MMPROJ_OUT_TYPES, convert_mmproj, plan_mmproj
 
     outtype = (quant or "f16").lower()

@@ -208,6 +208,20 @@ def test_too_many_images(server):
     assert message == "too many images: 5 (at most 4 per request, DGEMMA_MAX_IMAGES)"
 
 
+def test_a_hundred_images_in_one_chat_message(server):
+    """The count is checked before any image is decoded: 100 images of 200 KB (27 MB of base64, under the body cap)
+    get a one-line 400 and no slot, and the process's peak memory grows by what the request's bytes take, not by 100
+    decoded images."""
+    srv, behaviour = server
+    big = (PNG * (200_000 // len(PNG) + 1))[:200_000]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    message = refused_ollama(srv, behaviour, lambda c: c.chat(
+        model="vis", messages=[{"role": "user", "content": "x", "images": [big] * 100}]))
+    assert message == "too many images: 100 (at most 4 per request, DGEMMA_MAX_IMAGES)"
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mib < 400, grown_mib  # client and server share this process: base64, JSON and bytes, a few copies
+
+
 def test_images_that_cannot_fit_num_ctx(server):
     srv, behaviour = server
     options = {**FAST, "num_ctx": 40}

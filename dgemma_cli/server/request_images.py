@@ -131,6 +131,6 @@ def check_image_limits(model: Any, count: int, max_images: int, num_ctx: int | N
 def encode_images(projector: Any, images: list[RequestImage]) -> list[np.ndarray]:
     """THE one place images become the embeddings the text model reads: each image's pixels, prepared as Gemma 4's
     image processor does, through the projector (`dgemma_engine.vision`): float32 [n_soft, n_embd] per image."""
-    from dgemma_engine.vision import prepare_image  # MERGE: the vision engine (vis-engine)
+    from dgemma_engine.vision import prepare_image
 
     return [projector.encode(prepare_image(image.pixels(), projector.geometry)) for image in images]

@@ -123,14 +123,8 @@ class EngineRunner:
         self.gguf_path = str(local_model.gguf_path)
 
     def _load_vision(self, projector_path: Any, threads: int | None) -> None:
-        """The projector (`dgemma_engine.vision.Projector`) and the vocabulary's image token. An engine without the
-        vision module, or a vocabulary without the token, leaves the model text-only: requests with images are then
-        refused with Ollama's error."""
-        import importlib.util
-
-        if importlib.util.find_spec("dgemma_engine.vision") is None:  # MERGE: the vision engine (vis-engine)
-            log.warning("this engine has no vision module; images will be refused")
-            return
+        """The projector (`dgemma_engine.vision.Projector`) and the vocabulary's image token. A vocabulary without
+        the token leaves the model text-only: requests with images are then refused with Ollama's error."""
         ids = self.tokenize(IMAGE_MARKER)
         if len(ids) != 1:
             log.warning("the vocabulary has no %s token; images will be refused", IMAGE_MARKER)
