@@ -216,6 +216,7 @@ bool dg_gguf_check(const uint8_t *data, size_t size, char *err, size_t err_len);
 // map, check and parse a GGUF file (what the model and the projector loaders share); see gguf_check.c
 bool dg_gguf_map(const char *path, void **map, size_t *map_size, struct gguf_context **gguf,
                  struct ggml_context **ctx_file, char *err, size_t err_len);
+void dg_gguf_unmap(void *map, size_t map_size, struct gguf_context *gguf, struct ggml_context *ctx_file);
 
 // model.c
 // check_only: parse and bind every tensor as a load does, but allocate nothing (what `create` runs on a file).

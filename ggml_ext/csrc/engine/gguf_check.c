@@ -385,3 +385,10 @@ bool dg_gguf_map(const char *path, void **map, size_t *map_size, struct gguf_con
     }
     return true;
 }
+
+// What dg_gguf_map made, released (each part may be missing).
+void dg_gguf_unmap(void *map, size_t map_size, struct gguf_context *gguf, struct ggml_context *ctx_file) {
+    if (ctx_file) ggml_free(ctx_file);
+    if (gguf) gguf_free(gguf);
+    if (map != MAP_FAILED && map != NULL) munmap(map, map_size);
+}

@@ -4,15 +4,12 @@
 // read with its type checked first (ggml's typed getters abort on a type mismatch), (4) every tensor is looked up
 // and its shape and type checked against the hparams (docs/gguf.md#loader-checks). Only then are tensors used.
 #define _GNU_SOURCE  // O_CLOEXEC, MAP_* under -std=c11
-#include <fcntl.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include "engine.h"
 #include "gguf_names.h"
@@ -510,9 +507,7 @@ void dg_model_free_impl(dg_model *m) {
     if (m->buf_extra) ggml_backend_buffer_free(m->buf_extra);
     if (m->ctx_extra) ggml_free(m->ctx_extra);
     if (m->buf_file) ggml_backend_buffer_free(m->buf_file);
-    if (m->ctx_file) ggml_free(m->ctx_file);
-    if (m->gguf) gguf_free(m->gguf);
-    if (m->map != MAP_FAILED && m->map != NULL) munmap(m->map, m->map_size);
+    dg_gguf_unmap(m->map, m->map_size, m->gguf, m->ctx_file);
     free(m->layers);
     free(m);
 }

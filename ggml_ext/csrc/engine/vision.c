@@ -8,14 +8,11 @@
 // post norms, gated GELU-tanh MLP; then the mean over each k×k block of patches (one matmul with a host-built
 // averaging matrix), ×sqrt(H), the optional standardize, a weightless RMSNorm and the projection to the text width.
 #define _GNU_SOURCE  // O_CLOEXEC, MAP_* under -std=c11
-#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include "cpu.h"
 #include "engine.h"
@@ -279,9 +276,7 @@ void dg_vision_free_impl(dg_vision_model *m) {
     if (!m) return;
     if (m->backend) ggml_backend_free(m->backend);
     if (m->buf_file) ggml_backend_buffer_free(m->buf_file);
-    if (m->ctx_file) ggml_free(m->ctx_file);
-    if (m->gguf) gguf_free(m->gguf);
-    if (m->map != MAP_FAILED && m->map != NULL) munmap(m->map, m->map_size);
+    dg_gguf_unmap(m->map, m->map_size, m->gguf, m->ctx_file);
     free(m->layers);
     free(m);
 }
