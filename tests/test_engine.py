@@ -35,9 +35,13 @@ def golden_index(name: str) -> dict:
     return json.loads((FIXTURES / name / "golden" / "index.json").read_text())
 
 
-def replay(ctx: Context, run: dict[str, np.ndarray]):
-    """Yield (call, engine logits, recorded logits) for every recorded decoder call, in order."""
-    ctx.encode(run["prompt"])
+def replay(ctx: Context, run: dict[str, np.ndarray], prefill=None):
+    """Yield (call, engine logits, recorded logits) for every recorded decoder call, in order. prefill(ctx) encodes the
+    prompt (default: its ids as text)."""
+    if prefill is None:
+        ctx.encode(run["prompt"])
+    else:
+        prefill(ctx)
     for i in range(len(run["pos"])):
         start = int(run["pos"][i][0])
         if start != ctx.n_past:  # a new canvas: commit the previous one at its positions

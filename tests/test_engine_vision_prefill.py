@@ -17,6 +17,7 @@ from dgemma_engine.errors import EngineError
 from dgemma_engine.generate import CanvasEvent, SamplerParams, generate, torch_compatible_sequence
 from dgemma_engine.image_prompt import ImageTokens, expand_image_markers, image_token_ids
 from dgemma_engine.model import Context, Model
+from test_engine import replay
 
 GOLDEN = Path(__file__).parent / "fixtures" / "tiny-v" / "golden"
 INDEX = json.loads((GOLDEN / "index.json").read_text())
@@ -80,17 +81,8 @@ def test_every_recorded_call_matches_after_commits(model, case):
     run = load_case(case)
     worst = 0.0
     with image_context(model, run) as ctx:
-        prefill(model, ctx, run)
-        for i in range(len(run["pos"])):
-            start = int(run["pos"][i][0])
-            if start != ctx.n_past:
-                ctx.encode(run["seq"][ctx.n_past:start])
-            if run["has_sc"][i]:
-                ctx.set_self_cond_logits(run["raw"][i - 1])
-                logits = ctx.step(run["canvas"][i], sc_temperature=float(run["T"][i - 1]))
-            else:
-                logits = ctx.step(run["canvas"][i])
-            worst = max(worst, float(np.abs(logits - run["raw"][i]).max()))
+        for _, logits, want in replay(ctx, run, prefill=lambda c: prefill(model, c, run)):
+            worst = max(worst, float(np.abs(logits - want).max()))
     assert worst < TOLERANCE
 
 
