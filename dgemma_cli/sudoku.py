@@ -34,6 +34,7 @@ from dgemma_engine.tasks import SUDOKU, SUDOKU_CELLS, TASK_KEY, answer_grid, is_
 if TYPE_CHECKING:
     from dgemma_cli.client import Client
     from dgemma_cli.session import RunSettings, TaskContext
+    from dgemma_cli.wire import Progress
 
 MODEL_GENERAL_NAME = "dgemma-sudoku"  # general.name of the bundled GGUF (bundle.py converts from a folder so named)
 UNSOLVED_EXIT = 3  # `run`'s exit status when the printed grid is not a solution (1: an error, 130: interrupted)
@@ -88,6 +89,19 @@ def print_grid(console: Console, puzzle: str, grid: str) -> None:
 def starting_grid(puzzle: str) -> str:
     """The first frame of `--visual`, before any step: the givens in place, '.' for the cells still to fill."""
     return puzzle.replace("0", ".")
+
+
+def progress_counter(progress: Progress) -> str:
+    """The counter under a drawn frame: which try (tries run one after another, each from fresh noise) and step."""
+    counter = f"step {progress.completed}/{progress.total}"
+    return counter if progress.task_try is None else f"try {progress.task_try} · {counter}"
+
+
+def answer_caption(tries: int | None, solved: bool) -> str:
+    """The line under the final grid of a visual run: the frames showed the leading try, which may not be the one
+    whose grid is the answer (the lowest-numbered try that passes, else the last)."""
+    which = f"try {tries}" if tries else "the last try"
+    return f"answer: {which}, " + ("a valid solution" if solved else "still breaks a rule")
 
 
 class LiveGrid:
@@ -166,9 +180,7 @@ def solve_and_show(client: Client, settings: RunSettings, text: str, out: TextIO
             if chunk.get("done"):
                 final = chunk
             elif progress is not None:
-                counter = f"step {progress.completed}/{progress.total}"
-                if (progress.task_try or 1) > 1:
-                    counter += f" · try {progress.task_try}"
+                counter = progress_counter(progress)
                 spinner.set(f"solving · {counter}")
                 if view is not None and progress.preview is not None:
                     view.update(answer_grid(progress.preview), counter)
@@ -182,14 +194,16 @@ def solve_and_show(client: Client, settings: RunSettings, text: str, out: TextIO
         if view is not None:
             view.stop()
     grid = answer_grid(answer)
+    solved = is_solution(puzzle, grid)
     if console is not None:
         print_grid(console, puzzle, grid)
+        if view is not None and final is not None:  # the frames were of the leading try; say whose grid this is
+            console.print(answer_caption(final.get("task_tries"), solved), style="cyan")
     else:
         out.write(plain_lines(grid) + "\n")
         out.flush()
     if settings.verbose and final is not None:
         err.write(timing_block(final) + "\n")
-    solved = is_solution(puzzle, grid)
     if not solved:
         tries = (final or {}).get("task_tries")
         suffix = f" ({tries} tries)" if tries else ""

@@ -51,9 +51,9 @@ def parse_puzzle(text: str) -> str:
     """81 cells: digits 1-9, `0` or `.` for blanks, whitespace ignored -> 81 chars of '0'-'9'. Givens that already
     break a rule (the same digit twice in a row, column or box) are rejected too: no grid could solve them."""
     cells = "".join(text.split()).replace(".", "0")
-    bad = sorted({ch for ch in cells if ch not in "0123456789"})
-    if bad:
-        raise DgemmaError(f"invalid sudoku puzzle: unexpected character {bad[0]!r} (use digits, '0' or '.' for blanks)")
+    bad = next((ch for ch in cells if ch not in "0123456789"), None)  # the first one typed, as the user reads it
+    if bad is not None:
+        raise DgemmaError(f"invalid sudoku puzzle: unexpected character {bad!r} (use digits, '0' or '.' for blanks)")
     if len(cells) != SUDOKU_CELLS:
         raise DgemmaError(f"invalid sudoku puzzle: expected 81 cells, got {len(cells)}")
     check_givens(cells)

@@ -154,3 +154,16 @@ def test_the_first_sudoku_frame_draws_the_givens_as_kept_clues():
     assert all(s == "bold" for s in styles_of_givens(grid_table(SUDOKU_PUZZLE, "?" * 81), SUDOKU_PUZZLE))
     wrong = "6" + SUDOKU_PUZZLE[1:]
     assert styles_of_givens(grid_table(SUDOKU_PUZZLE, wrong), SUDOKU_PUZZLE)[0] == "bold red"
+
+
+def test_sudoku_frames_name_their_try_and_the_final_grid_says_whose_it_is():
+    """Tries run one after another from fresh noise, so a frame without its try, or a final grid unlike the last
+    frame with nothing said, reads as a glitch."""
+    from dgemma_cli.sudoku import answer_caption, progress_counter
+    from dgemma_cli.wire import Progress
+
+    assert progress_counter(Progress(completed=12, total=12, canvas=1, task_try=1)) == "try 1 · step 12/12"
+    assert progress_counter(Progress(completed=3, total=12, canvas=1, task_try=2)) == "try 2 · step 3/12"
+    assert progress_counter(Progress(completed=3, total=12, canvas=1)) == "step 3/12"  # not a task model
+    assert answer_caption(2, True) == "answer: try 2, a valid solution"
+    assert answer_caption(48, False) == "answer: try 48, still breaks a rule"

@@ -53,6 +53,7 @@ def test_parse_accepts_dots_and_whitespace():
     ("", "expected 81 cells, got 0"),
     (PUZZLE[:40] + "x" + PUZZLE[41:], "unexpected character 'x'"),
     (PUZZLE[:40] + "-" + PUZZLE[41:], "unexpected character '-'"),
+    ("hello world", "unexpected character 'h'"),  # the first character typed, not the first in sort order
     ("55" + PUZZLE[2:], "digit 5 appears twice in row 1"),
     (PUZZLE[:27] + "5" + PUZZLE[28:], "digit 5 appears twice in column 1"),
     (PUZZLE[:20] + "5" + PUZZLE[21:], "digit 5 appears twice in box 1"),
