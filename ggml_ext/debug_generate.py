@@ -18,7 +18,7 @@ from dgemma_engine.errors import EngineError
 from dgemma_engine.generate import (CanvasEvent, DoneEvent, SamplerParams, StepEvent, eos_ids_from_metadata, generate,
                                     torch_compatible_sequence)
 from dgemma_engine.gguf_keys import KEY_PADDING_ID
-from dgemma_engine.image_prompt import image_context_size
+from dgemma_engine.image_prompt import as_marker_prompt, image_context_size, image_token_ids
 from dgemma_engine.model import Context, Model
 from dgemma_engine.settings import SettingError, check_values
 
@@ -37,6 +37,8 @@ def run_debug_generation(model: Model, prompt_ids: Sequence[int], params: Sample
     marker_prompt = prompt_ids
     if len(images):
         expanded, longest = image_context_size(prompt_ids, images, model.metadata, model.hparams.n_embd)
+        # generate() takes one marker per image; the prompt may hold each image's block as a processor writes it
+        marker_prompt, _ = as_marker_prompt(prompt_ids, image_token_ids(model.metadata))
         prompt_ids = expanded.ids
     C = model.hparams.canvas_length
     if eos_ids is None:

@@ -62,13 +62,16 @@ def test_debug_logits_with_an_image_file_matches_transformers(converted, tmp_pat
         assert err <= TOLERANCE, f"{case} {label}: max |dlogits| {err}"
 
 
-def test_debug_generate_with_an_image_file_is_token_exact(converted):
+@pytest.mark.parametrize("prompt_form", ["marker", "expanded"])
+def test_debug_generate_with_an_image_file_is_token_exact(converted, prompt_form):
+    """The prompt as one marker per image, or with each image's block expanded as the processor writes it."""
     model, projector = converted
     meta = INDEX["cases"]["square"]
     gen = INDEX["generation_configs"][meta["generation_config"]]
     run = np.load(GOLDEN / meta["file"])
+    prompt = run["marker_prompt"] if prompt_form == "marker" else run["prompt"][: meta["prompt_length"]]
     proc = dgemma("generate", str(model), "--mmproj", str(projector), *image_args("square"),
-                  "--prompt-ids", ids(run["marker_prompt"]), "--seed", str(meta["seed"]), "--rng", "torch",
+                  "--prompt-ids", ids(prompt), "--seed", str(meta["seed"]), "--rng", "torch",
                   "--max-new-tokens", str(gen["max_new_tokens"]), "--steps", str(gen["max_denoising_steps"]),
                   "--t-max", str(gen["t_max"]), "--t-min", str(gen["t_min"]),
                   "--entropy-bound", str(gen["entropy_bound"]),
