@@ -181,10 +181,14 @@ def ps_table(models: list[dict[str, Any]], prefix: str | None = None) -> str:
 
 def ps(prefix: Optional[str] = typer.Argument(None, help="only names starting with this (any case)")) -> None:
     """List running models."""
+    from dgemma_cli.client import client_base_url
     from dgemma_cli.local_server import connect
 
     with connect() as client:
         print(ps_table(client.ps().get("models") or [], prefix))
+        if client.local is not None:  # models stay loaded only in a server that outlives the command
+            print(f"no dgemma server at {client_base_url()}: nothing stays loaded without `dgemma serve`",
+                  file=sys.stderr)
 
 
 def stop(model: str = typer.Argument(..., help="model to unload")) -> None:

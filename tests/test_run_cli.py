@@ -176,6 +176,9 @@ def test_no_server_starts_one_in_process(setup, tmp_path):
     result = run_cli(["ps"], env, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
+    # an empty table alone reads as "nothing loaded" when the truth is "no server": say so, once
+    assert result.stderr.splitlines() == [f"no dgemma server at http://{env['DGEMMA_HOST']}: nothing stays loaded "
+                                          "without `dgemma serve`"]
     result = run_cli(["run", "broken", "hi", "--verbose"], env)  # the real engine's server, in-process
     assert result.returncode == 1
     first, error = result.stderr.strip().splitlines()  # no server log lines, no traceback
