@@ -17,11 +17,17 @@ DEFAULT_NAMESPACE = "library"
 DEFAULT_TAG = "latest"
 DEFAULT_SCHEME = "https"
 
-# First character of every part, then the part's own alphabet and maximum length (ASCII only: re.ASCII).
-_HOST_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,349}", re.ASCII)
+# First character of every part, then the part's own alphabet and maximum length (ASCII only: re.ASCII). Ollama allows
+# hosts of 350 characters, but each part is a file or folder name in the store and file systems cap those at 255
+# bytes (ENAMETOOLONG), so a longer host could never be stored, looked up or pulled (a DNS name has at most 253
+# characters, a port adds 6): it is refused here, with every other invalid name.
+MAX_PART_BYTES = 255
+_HOST_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,254}", re.ASCII)
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,79}", re.ASCII)
 _MODEL_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,79}", re.ASCII)
 _TAG_RE = _MODEL_RE
+# The longest valid name: `https://` + host/namespace/model:tag. Longer text is refused before any parsing.
+MAX_NAME_CHARS = len("https://") + MAX_PART_BYTES + 3 * 80 + 3
 
 
 class InvalidNameError(DgemmaError):
@@ -47,6 +53,8 @@ class ModelName:
         if not isinstance(text, str):
             raise InvalidNameError()
         rest = text.strip()
+        if len(rest) > MAX_NAME_CHARS:
+            raise InvalidNameError()
         scheme = DEFAULT_SCHEME
         if "://" in rest:
             scheme, rest = rest.split("://", 1)

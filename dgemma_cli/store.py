@@ -15,6 +15,7 @@ folders whose owner died (a killed `create`) are removed by the next `Store.scra
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -30,7 +31,7 @@ from typing import Any, Iterable, Iterator
 
 from dgemma_cli import env
 from dgemma_cli.errors import DgemmaError
-from dgemma_cli.names import ModelName
+from dgemma_cli.names import InvalidNameError, ModelName
 
 MANIFEST_MEDIA_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
 CONFIG_MEDIA_TYPE = "application/vnd.docker.container.image.v1+json"
@@ -410,6 +411,14 @@ class Store:
 
     def _find_on_disk(self, name: ModelName) -> Path | None:
         """The existing manifest file matching `name` case-insensitively (the on-disk spelling is reused)."""
+        try:
+            return self._walk_to_manifest(name)
+        except OSError as exc:
+            if exc.errno == errno.ENAMETOOLONG:  # a store root so deep that the name's path cannot exist
+                return None
+            raise
+
+    def _walk_to_manifest(self, name: ModelName) -> Path | None:
         current = self.manifests_dir
         for part in name.parts:
             if not current.is_dir():
@@ -454,15 +463,20 @@ class Store:
         """Atomically write manifest bytes (validated first) for `name`."""
         path = self.manifest_path(name)  # the name is validated before the content
         parse_manifest(raw)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._inside_manifests(path)
-        tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
         try:
-            tmp.write_bytes(raw)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._inside_manifests(path)
+            tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
+            try:
+                tmp.write_bytes(raw)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+        except OSError as exc:
+            if exc.errno == errno.ENAMETOOLONG:  # valid, but too long for this store's folder (PATH_MAX)
+                raise InvalidNameError() from None
+            raise
         return path
 
     def replace_manifest(self, name: ModelName | str, raw: bytes) -> set[str]:
@@ -581,15 +595,16 @@ class Store:
             projector=projector,
         )
 
-    def copy(self, src: ModelName | str, dst: ModelName | str) -> None:
-        """Copy the manifest bytes under a new name; blobs are shared."""
+    def copy(self, src: ModelName | str, dst: ModelName | str) -> set[str]:
+        """Copy the manifest bytes under a new name; blobs are shared. A model the copy replaces loses the blobs only
+        it used, as a create over it would (replace_manifest); returns their digests."""
         src_name, dst_name = self._as_name(src), self._as_name(dst)
         with self.write_lock():
             manifest = self.read_manifest(src_name)
             for digest in manifest.all_digests():
                 if not self.has_blob(digest):
                     raise DgemmaError(f"model '{src_name.display}' is incomplete: missing blob {digest}")
-            self.write_manifest(dst_name, manifest.raw)
+            return self.replace_manifest(dst_name, manifest.raw)
 
     def delete(self, name: ModelName | str) -> list[str]:
         """Remove a model; prune the blobs only it referenced and empty manifest folders. Returns removed digests."""

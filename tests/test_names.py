@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from dgemma_cli.errors import DgemmaError
-from dgemma_cli.names import ModelName
+from dgemma_cli.names import MAX_NAME_CHARS, MAX_PART_BYTES, ModelName
 
 
 @pytest.mark.parametrize("text,parts,display", [
@@ -32,7 +32,8 @@ def test_scheme():
 @pytest.mark.parametrize("text", [
     "", ":", "m:", "/m", "ns/", "a/b/c/d", "a/b/c/d:e", "../m", "ns/../m", "..", "h/../m", "m:..", "m:a/b",
     "m:../../x", "m\\x", ".hidden", "-dash", "ns/.m", "m:.t", "m:-t", "x" * 81, "m:" + "t" * 81, "n" * 81 + "/m",
-    "h" * 351 + "/ns/m", "ns.dotted/m", "m@sha256:" + "0" * 64, "ftp://h/ns/m", "m\x00", "mö", "m x", "host name/ns/m",
+    "h" * 256 + "/ns/m", "h" * 300 + "/ns/m", "h" * 350 + "/ns/m", "h" * 351 + "/ns/m", "1" * 250 + ":11434/ns/m",
+    "ns.dotted/m", "m@sha256:" + "0" * 64, "ftp://h/ns/m", "m\x00", "mö", "m x", "host name/ns/m",
 ])
 def test_invalid_names_give_one_message(text):
     with pytest.raises(DgemmaError) as exc:
@@ -42,7 +43,25 @@ def test_invalid_names_give_one_message(text):
 
 def test_limits_are_inclusive():
     assert ModelName.parse("m" * 80 + ":" + "t" * 80).model == "m" * 80
-    assert ModelName.parse("h" * 350 + "/ns/m").host == "h" * 350
+    assert ModelName.parse("h" * 255 + "/ns/m").host == "h" * 255  # a file name's limit (Ollama allows 350)
+
+
+def test_the_longest_valid_name_parses_and_longer_text_is_refused_before_parsing():
+    longest = "https://" + "h" * 255 + "/" + "n" * 80 + "/" + "m" * 80 + ":" + "t" * 80
+    assert len(longest) == MAX_NAME_CHARS and ModelName.parse(longest).tag == "t" * 80
+    assert ModelName.parse("  " + longest + "\n").model == "m" * 80  # surrounding space is not part of the name
+    for text in (longest + "t", "x" * 10_000_000):
+        with pytest.raises(DgemmaError, match="^invalid model name$"):
+            ModelName.parse(text)
+
+
+def test_every_valid_name_is_a_path_the_file_system_takes(tmp_path):
+    """Each part becomes a folder or file name of the store: at most 255 bytes, whatever the part."""
+    name = ModelName.parse("h" * 255 + "/" + "n" * 80 + "/" + "m" * 80 + ":" + "t" * 80)
+    path = tmp_path.joinpath(*name.parts)
+    path.parent.mkdir(parents=True)
+    path.write_text("ok")
+    assert all(len(part.encode()) <= MAX_PART_BYTES for part in name.parts) and path.read_text() == "ok"
 
 
 def test_case_insensitive_key():

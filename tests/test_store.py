@@ -65,6 +65,53 @@ def test_copy_shares_blobs_and_delete_prunes_only_unreferenced(tmp_path):
         store.copy("nope", "x")
 
 
+def test_copy_over_an_existing_model_prunes_the_blobs_only_it_used(tmp_path):
+    """As a create over a model does: the layers only the replaced model had go, shared ones stay."""
+    store = Store(tmp_path / "store")
+    make_model(store, tmp_path, "a", "SYSTEM only-a\n")
+    make_model(store, tmp_path, "b", "SYSTEM only-b\nPARAMETER seed 7\n")
+    make_model(store, tmp_path, "c", "SYSTEM only-b\n")  # shares b's system layer
+    b_only = set(store.read_manifest("b").all_digests()) - set(store.read_manifest("a").all_digests())
+    shared = set(store.read_manifest("c").all_digests()) & b_only
+    assert b_only and shared
+    removed = store.copy("a", "b")
+    assert removed == b_only
+    assert store.read_manifest("b").raw == store.read_manifest("a").raw
+    assert all(store.has_blob(d) for d in shared)  # c still uses them
+    assert not any(store.has_blob(d) for d in b_only - shared)
+    on_disk = {"sha256:" + p.name.removeprefix("sha256-") for p in store.blobs_dir.iterdir()}
+    assert on_disk == store.referenced_digests()  # nothing unreferenced is left behind
+    assert store.copy("a", "A") == set()  # onto itself (another spelling): nothing to prune
+
+
+def deep_root(tmp_path: Path, length: int) -> Path:
+    """A store folder whose path is about `length` bytes long (components of 200 bytes)."""
+    root = tmp_path
+    while len(str(root)) < length - 201:
+        root = root / ("d" * 200)
+    root.mkdir(parents=True)
+    return root / "store"
+
+
+def test_a_valid_name_too_long_for_a_deep_store_root_is_a_clean_error(tmp_path):
+    """A name's path below a root near PATH_MAX (4096) fails with ENAMETOOLONG: a lookup finds nothing, a write is
+    the invalid name error (400), never an OSError."""
+    store = Store(deep_root(tmp_path, 3850))
+    store.ensure_dirs()
+    name = "h" * 255 + "/" + "n" * 80 + "/" + "m" * 80 + ":" + "t" * 80
+    assert not store.exists(name)
+    with pytest.raises(DgemmaError, match="^model '.*' not found$") as missing:
+        store.read_manifest(name)
+    assert missing.value.status == 404
+    make_model(store, tmp_path, "short")
+    with pytest.raises(DgemmaError, match="^invalid model name$") as refused:
+        store.copy("short", name)
+    assert refused.value.status == 400
+    with pytest.raises(DgemmaError, match="^model '.*' not found$"):
+        store.delete(name)
+    assert [entry.name for entry in store.list_models()] == ["short:latest"]
+
+
 def test_prune_respects_age_and_references(tmp_path):
     store = Store(tmp_path / "store")
     make_model(store, tmp_path, "a")
