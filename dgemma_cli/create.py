@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from dgemma_engine.arch import ARCH
-from dgemma_engine.chat.templates import template_format
+from dgemma_engine.chat.templates import check_template_source, template_format
 from dgemma_engine.gguf_keys import KEY_CANVAS_LENGTH, KEY_CHAT_TEMPLATE, KEY_GENERAL_TYPE, KEY_TOKENIZER_MODEL
 
 from dgemma_cli.errors import DgemmaError
@@ -469,6 +469,8 @@ def _create_model(name: ModelName | str, modelfile: Modelfile, store: Store, bas
         quant = QUANTIZE_TYPES.get(quantize.lower())
         if quant is None:
             raise CreateError(f"unsupported quantization type {quantize} (use one of q4_K_M, q5_K_M, q6_K, q8_0, q4_0)")
+    if modelfile.template is not None:
+        check_template_source(modelfile.template)  # size and nesting, Go or Jinja (budget.py): a one-line 400
     if modelfile.template is not None and template_format(modelfile.template) == "jinja":
         check_jinja_template(modelfile.template)
 

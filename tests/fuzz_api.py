@@ -370,6 +370,7 @@ class FuzzReport:
     models_checked: int = 0
     hostile_formats: int = 0  # generations asked for in a hostile schema's format
     image_cases: int = 0  # requests built from a body with images (image_requests)
+    template_cases: int = 0  # hostile templates (template_case)
     seconds: float = 0.0
     stopped_early: bool = False
 
@@ -378,6 +379,7 @@ class FuzzReport:
         return (f"{self.requests} requests in {self.seconds:.1f} s ({histogram}); GGUF uploads {self.gguf_cases}, "
                 f"accepted by create {self.gguf_accepted}; accepted models that generated: {self.models_checked}; "
                 f"generations in a hostile format: {self.hostile_formats}; with images: {self.image_cases}; "
+                f"hostile templates: {self.template_cases}; "
                 f"failures: {len(self.failures)}" + (" (stopped at the time budget)" if self.stopped_early else ""))
 
 
@@ -462,6 +464,55 @@ class Fuzzer:
                                             f"{response.text[:200]}")
 
 
+# ---- hostile templates (issue 36) ----------------------------------------------------------------------------------
+
+TEMPLATE_SHARE = 0.03  # of the cases
+TEMPLATE_ANSWER_S = 10.0  # each is refused before it renders much; a shared machine gets slack
+_DEEP = 5000
+
+
+def hostile_templates(rng: random.Random) -> dict[str, str]:
+    """Templates over one of the limits of ggml_ext/chat/budget.py: source size (a little over, 1 MB, 8 MB), nesting
+    (Go actions with and without trimming, `range`/`with` outside the safe subset, Jinja blocks, brackets, `not`,
+    `else`, operator and filter chains, loops deeper than Python compiles) and output (the prompt placed 10,080 times:
+    over 4,000,000 characters)."""
+    size = rng.choice([131_073, 1_000_000, 8_000_000])
+    return {
+        f"Go of {size} characters": "{{ .Prompt }}" + "x" * (size - 13),
+        f"Jinja of {size} characters": "{% for m in messages %}{{ m.content }}{% endfor %}" + "x" * size,
+        "Go ifs 5,000 deep": "{{ if .Prompt }}" * _DEEP + "{{ .Prompt }}" + "{{ end }}" * _DEEP,
+        "Go trimmed ifs 5,000 deep": "{{- if .System -}}" * 3000 + "{{- end }}" * 3000,
+        "Go range/with 5,000 deep": "{{range .Messages}}{{with .Content}}" * 2500 + "{{end}}{{end}}" * 2500,
+        "Jinja ifs 5,000 deep": "{%if messages%}" * _DEEP + "x" + "{%endif%}" * _DEEP,
+        "Jinja brackets 5,000 deep": "{{ messages and " + "(" * _DEEP + "1" + ")" * _DEEP + " }}",
+        "Jinja not chain": "{{ " + "not " * _DEEP + "messages }}",
+        "Jinja else chain": "{{ messages and " + "1 if messages else " * _DEEP + "2 }}",
+        "Jinja operator chain": "{{ messages and " + " + ".join(["1"] * _DEEP) + " }}",
+        "Jinja filter chain": "{{ messages" + "|first" * _DEEP + " }}",
+        "Jinja loops 30 deep": "{% for m in messages %}" * 30 + "x" + "{% endfor %}" * 30,
+        "Go output over the budget": "{{ .Prompt }}" * 10_080,
+        "Jinja output over the budget": "{% for i in range(10080) %}{{ messages[0].content }}{% endfor %}",
+    }
+
+
+def template_case(fuzzer: "Fuzzer", rng: random.Random, case: int) -> None:
+    """One hostile template, as a per-request `template` of /api/generate or as /api/create's `template`: a 4xx
+    within TEMPLATE_ANSWER_S, and create stores nothing."""
+    name, template = rng.choice(sorted(hostile_templates(rng).items()))
+    fuzzer.report.template_cases += 1
+    label = f"case {case}: hostile template {name!r}"
+    if "output" in name or rng.random() < 0.5:
+        body = {"model": BASE_MODEL, "prompt": "y" * 399, "template": template, "stream": rng.random() < 0.5,
+                "options": dict(SMOKE_OPTIONS)}
+        fuzzer.send("POST", "/api/generate", encode(body), label + " on /api/generate", within=TEMPLATE_ANSWER_S)
+        return
+    body = {"model": "fz-template", "from": BASE_MODEL, "template": template, "stream": rng.random() < 0.5}
+    fuzzer.send("POST", "/api/create", encode(body), label + " on /api/create", within=TEMPLATE_ANSWER_S)
+    tags = fuzzer.client.get("/api/tags").json()["models"]
+    if any(m["name"].startswith("fz-template") for m in tags):
+        fuzzer.report.failures.append(f"{label}: create stored the model")
+
+
 def convert_fixture(out: Path) -> Path:
     from dgemma_convert import convert
 
@@ -496,6 +547,9 @@ def run(cases: int, seed: int = 1, gguf: Path | None = None, time_budget: float 
                 if time.monotonic() - started > time_budget:
                     report.stopped_early = True
                     break
+                if rng.random() < TEMPLATE_SHARE:
+                    template_case(fuzzer, rng, case)
+                    continue
                 if rng.random() < gguf_share:
                     fuzzer.gguf_case(rng, gguf, work, gguf_index, mutant_names)
                     gguf_index += 1

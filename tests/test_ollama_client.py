@@ -130,7 +130,8 @@ def test_errors_raise_response_error(served):
 
 
 def test_malicious_template_in_a_stored_model_fails_safely(served):
-    """A Jinja template that tries to escape the sandbox (as a pulled model could carry) never runs code: 500."""
+    """A Jinja template that tries to escape the sandbox (as a pulled model could carry) never runs code: a 400 naming
+    the refusal, as every rendering failure is."""
     server, client, _ = served
     from dgemma_cli.store import Store
     from server_harness import add_model
@@ -141,7 +142,8 @@ def test_malicious_template_in_a_stored_model_fails_safely(served):
               template="{{ cycler.__init__.__globals__.os.popen('id').read() }}{% for m in messages %}{% endfor %}")
     with pytest.raises(ollama.ResponseError) as err:
         client.chat(model="evil-template", messages=[{"role": "user", "content": "x"}], options=FAST)
-    assert err.value.status_code == 500 and err.value.error == "failed to render chat template"
+    assert err.value.status_code == 400
+    assert err.value.error.startswith("template error: SecurityError: access to attribute '__init__' of a ")
     assert client.generate(model="tiny", prompt="still up", options=FAST).done
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from dgemma_engine.arch import ARCH
 from dgemma_engine.chat import gotemplate
+from dgemma_engine.chat.budget import check_source
 from dgemma_engine.chat.templates import ChatTemplate, template_format
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -142,10 +143,13 @@ async def generate(req: wire.GenerateRequest, request: Request, svc: Services):
 
 
 def _request_template(text: str) -> ChatTemplate:
-    """A per-request `template` (docs/compat.md#generate), classified like a Modelfile TEMPLATE: Jinja is sandboxed, Go
-    only in the safe subset (anything else is a 400, since the caller asked for this template explicitly)."""
+    """A per-request `template` (docs/compat.md#generate), classified like a Modelfile TEMPLATE and held to the same
+    limits (budget.py; its size before any model loads, a Jinja one's nesting when the worker compiles it): Jinja is
+    sandboxed, Go only in the safe subset (anything else is a 400, since the caller asked for this template
+    explicitly)."""
+    check_source(text)
     if template_format(text) == "jinja":
-        return ChatTemplate("jinja", text, from_request=True)
+        return ChatTemplate("jinja", text)
     try:
         gotemplate.parse(text)
     except gotemplate.UnsupportedTemplate as exc:

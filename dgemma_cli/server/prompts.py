@@ -160,9 +160,10 @@ def prompt_images(ids: list[int], images: list[RequestImage], runner: Any, kept:
 
 def render(runner: Any, messages: list[dict], thinking: bool | None, template: ChatTemplate | None = None,
            tools: list[dict] | None = None) -> str:
-    """The prompt text of `messages`, through the model's template or a per-request `template`. A request's own
-    template that fails is the client's 400; the model's is a clean 500; a render over its budget is a 400 (the
-    request's data drove it there). Images become markers first (`with_image_markers`): content parts for a model
+    """The prompt text of `messages`, through the model's template or a per-request `template`. Every failure to
+    render is a 400 with one line (the renderers raise only ChatTemplateError): a render over a limit names the limit,
+    any other failure is `template error: ...`, the model's template or the request's alike (a template's branches
+    follow the conversation). Images become markers first (`with_image_markers`): content parts for a model
     template that renders them (Gemma 4's), the marker text otherwise."""
     if any(m.get("images") for m in messages):
         parts = template is None and bool(getattr(runner, "renders_image_parts", False))
@@ -176,11 +177,7 @@ def render(runner: Any, messages: list[dict], thinking: bool | None, template: C
     except ChatTemplateBudgetError as exc:
         raise RequestError(str(exc)) from None
     except ChatTemplateError as exc:
-        if template is not None and template.from_request:
-            raise RequestError(f"template error: {exc.detail}"[:300]) from None
-        raise RequestError("failed to render chat template", 500) from None
-    except Exception:  # noqa: BLE001 - jinja2 SecurityError, TemplateError, recursion, ...: no internals leave
-        raise RequestError("failed to render chat template", 500) from None
+        raise RequestError(f"template error: {exc.detail}"[:300]) from None
 
 
 def no_room_error(prompt_tokens: int, canvas: int, n_ctx: int) -> RequestError:

@@ -13,6 +13,11 @@ The hooks that enforce it:
   (widths, repetition, replace, join, indent) and measure results afterwards.
 All wrapped filters take the context, which also keeps jinja2 from constant-folding them at compile time (outside any
 budget). Over budget raises `BudgetExceeded` (a sandbox SecurityError) with one line naming the budget.
+
+The limits every template is held to, Go or Jinja, are here too (`MAX_TEMPLATE_CHARS`, `MAX_TEMPLATE_DEPTH`,
+`MAX_OUTPUT_CHARS`), with the errors of both renderers: a template's source is measured before it is parsed, its
+nesting while it is parsed (`DepthLimitedParser`: jinja2's parser and code generator recurse), and its output while
+it is produced (`OutputBudget`), never afterwards.
 """
 from __future__ import annotations
 
@@ -28,11 +33,21 @@ from typing import Any, Callable
 
 import jinja2
 import jinja2.nodes as nodes
+import jinja2.parser
 import jinja2.runtime
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
+from dgemma_engine.errors import EngineError
+
+# Both kinds of template. The largest real chat templates are about 17,000 characters and nest 29 levels (syntax tree)
+# or 20 (the parser's count below): these leave room for them and none for a template built to exhaust the server.
+MAX_TEMPLATE_CHARS = 131_072     # a template's source, at create, at pull and per request
+MAX_TEMPLATE_DEPTH = 64          # nested blocks, brackets and operator chains (Go: nested actions)
+MAX_OUTPUT_CHARS = 4_000_000     # one rendered prompt: beyond this it is an attack or a mistake
+
+# Jinja renders.
 MAX_RENDER_SECONDS = 1.0
 MAX_STEPS = 2_000_000            # loop iterations + calls + filter applications in one render
 MAX_VALUE_SIZE = 8_000_000       # characters + items of any one value a template builds
@@ -46,8 +61,50 @@ CONCAT_FILTER = "_dgemma_budget_concat"
 VALUE_FILTER = "_dgemma_budget_value"
 
 
+class ChatTemplateError(EngineError):
+    """A chat template that cannot be compiled or rendered (syntax, sandbox violation, raise_exception, limits).
+
+    `detail`: the underlying failure as `ExceptionType: message` (what `create`'s template check reports)."""
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.detail = f"{type(cause).__name__}: {cause}" if cause is not None else message
+
+
+class ChatTemplateBudgetError(ChatTemplateError):
+    """A template over one of the limits of this module (its size, its nesting, a render's time, size or output):
+    the input's fault as much as the template's, so the server answers it as a client error."""
+
+
 class BudgetExceeded(jinja2.exceptions.SecurityError):
     """One render went over one of its budgets; the message is the one line users see."""
+
+
+def check_source(text: str) -> None:
+    """A template's source within MAX_TEMPLATE_CHARS (checked before anything parses it)."""
+    if len(text) > MAX_TEMPLATE_CHARS:
+        raise ChatTemplateBudgetError(f"chat template is {len(text)} characters long (at most {MAX_TEMPLATE_CHARS})")
+
+
+def too_deep() -> ChatTemplateBudgetError:
+    return ChatTemplateBudgetError(f"chat template is nested more than {MAX_TEMPLATE_DEPTH} levels deep")
+
+
+class OutputBudget:
+    """One rendered prompt's pieces, counted as each is produced: over MAX_OUTPUT_CHARS the render stops."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+        self.size = 0
+
+    def add(self, piece: str) -> None:
+        self.size += len(piece)
+        if self.size > MAX_OUTPUT_CHARS:
+            raise ChatTemplateBudgetError(f"chat template output exceeds {MAX_OUTPUT_CHARS} characters")
+        self.pieces.append(piece)
+
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 @dataclass
@@ -328,6 +385,51 @@ class BudgetTransformer(NodeTransformer):
     visit_List = visit_Tuple = visit_Dict = _literal
 
 
+class DepthLimitedParser(jinja2.parser.Parser):
+    """jinja2's parser, stopped at MAX_TEMPLATE_DEPTH levels before its own recursion (about 6 Python frames a level)
+    reaches the interpreter's limit. Every recursive path through jinja2's grammar passes one of these methods: a
+    statement inside a block, an operand (every bracket level, `-` and `not` chain), an `else` chain."""
+
+    level = 0
+
+    @contextlib.contextmanager
+    def _nested(self) -> Iterator[None]:
+        self.level += 1
+        if self.level > MAX_TEMPLATE_DEPTH:
+            raise too_deep()
+        try:
+            yield
+        finally:
+            self.level -= 1
+
+    def parse_statement(self) -> nodes.Node | list[nodes.Node]:
+        with self._nested():
+            return super().parse_statement()
+
+    def parse_condexpr(self) -> nodes.Expr:
+        with self._nested():
+            return super().parse_condexpr()
+
+    def parse_not(self) -> nodes.Expr:
+        with self._nested():
+            return super().parse_not()
+
+    def parse_unary(self, with_filter: bool = True) -> nodes.Expr:
+        with self._nested():
+            return super().parse_unary(with_filter)
+
+
+def check_tree_depth(tree: nodes.Node) -> None:
+    """The syntax tree within MAX_TEMPLATE_DEPTH levels (walked without recursion): the transformer below and jinja2's
+    code generator recurse over it, and chains the parser builds in a loop (`a + b + ...`, `x|f|f...`) are deep."""
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_TEMPLATE_DEPTH:
+            raise too_deep()
+        stack.extend((child, depth + 1) for child in node.iter_child_nodes())
+
+
 def _finalize(value: Any) -> Any:
     """Every `{{ ... }}` output, measured before it is turned into text."""
     return _measure(value)
@@ -346,7 +448,9 @@ class BudgetedSandbox(ImmutableSandboxedEnvironment):
         self.globals["lipsum"] = _lipsum
 
     def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
-        return BudgetTransformer().visit(super()._parse(source, name, filename))
+        tree = DepthLimitedParser(self, source, name, filename).parse()
+        check_tree_depth(tree)
+        return BudgetTransformer().visit(tree)
 
     def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
         _current().step()

@@ -1,8 +1,8 @@
 """Chat templates: render a GGUF's Jinja `tokenizer.chat_template` safely, as transformers' apply_chat_template does.
 
 Templates come from model files and Modelfiles, i.e. from strangers, so they run in jinja2's
-`ImmutableSandboxedEnvironment` (no attribute walking to Python internals, no mutation of inputs) with a time and
-size budget per render (budget.py) that no data-dependent branch can escape. The helpers HF templates expect are provided with HF's
+`ImmutableSandboxedEnvironment` (no attribute walking to Python internals, no mutation of inputs) within the size and
+nesting limits of budget.py, with a time, size and output budget per render that no data-dependent branch can escape. The helpers HF templates expect are provided with HF's
 semantics: `raise_exception`, `tojson` (no HTML escaping, ensure_ascii off), `strftime_now`, `namespace` (no
 underscore names), `dict`, loop controls and the `{% generation %}` block. Inputs are copied into plain JSON values.
 """
@@ -18,28 +18,12 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
 
-from dgemma_engine.chat.budget import BudgetedSandbox, BudgetExceeded, RenderBudget, active_budget
-from dgemma_engine.errors import EngineError
+from dgemma_engine.chat.budget import (BudgetedSandbox, BudgetExceeded, ChatTemplateBudgetError, ChatTemplateError,
+                                       OutputBudget, RenderBudget, active_budget, check_source)
 from dgemma_engine.gguf_keys import KEY_BOS_ID, KEY_EOS_ID, KEY_MASK_ID, KEY_PADDING_ID, KEY_TOKENS, KEY_UNKNOWN_ID
 
-MAX_OUTPUT_CHARS = 4_000_000      # a rendered prompt beyond this is an attack or a mistake
 _TEMPLATE_TOKENS = {"bos_token": KEY_BOS_ID, "eos_token": KEY_EOS_ID, "pad_token": KEY_PADDING_ID,
                     "unk_token": KEY_UNKNOWN_ID, "mask_token": KEY_MASK_ID}  # template variable -> GGUF id key
-
-
-class ChatTemplateError(EngineError):
-    """A chat template that cannot be compiled or rendered (syntax, sandbox violation, raise_exception, limits).
-
-    `detail`: the underlying failure as `ExceptionType: message` (what `create`'s template check reports)."""
-
-    def __init__(self, message: str, cause: BaseException | None = None) -> None:
-        super().__init__(message)
-        self.detail = f"{type(cause).__name__}: {cause}" if cause is not None else message
-
-
-class ChatTemplateBudgetError(ChatTemplateError):
-    """A render that went over its time or size budget (or the output cap): the input's fault as much as the
-    template's, so the server answers it as a client error."""
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -104,7 +88,14 @@ class _Dict:
         return dict(*args, **kwargs)
 
 
-@functools.lru_cache(maxsize=32)
+def compile_template(template: str) -> jinja2.Template:
+    """The template compiled in the budgeted sandbox (cached), once its source is within MAX_TEMPLATE_CHARS and its
+    nesting within MAX_TEMPLATE_DEPTH (budget.py); ChatTemplateError (a one-line 400) otherwise."""
+    check_source(template)
+    return _compile(template)
+
+
+@functools.lru_cache(maxsize=16)  # a compiled template at MAX_TEMPLATE_CHARS holds about 4 MB
 def _compile(template: str) -> jinja2.Template:
     env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True,
                           extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
@@ -117,6 +108,9 @@ def _compile(template: str) -> jinja2.Template:
         return env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"chat template syntax error (line {exc.lineno}): {exc.message}", exc) from None
+    except (SyntaxError, RecursionError, MemoryError) as exc:  # Python's compiler on the generated module
+        reason = exc.msg if isinstance(exc, SyntaxError) else type(exc).__name__
+        raise ChatTemplateBudgetError(f"chat template is too complex to compile ({reason})") from None
 
 
 def _plain(value: Any, depth: int = 0) -> Any:
@@ -148,13 +142,14 @@ def render_chat(template: str, messages: list[dict[str, Any]], add_generation_pr
     enable_thinking, plus `extra` (bos_token, eos_token, ... see special_tokens; any other template kwargs)."""
     if not isinstance(template, str) or not template:
         raise ChatTemplateError("the model has no chat template (use raw mode)")
-    compiled = _compile(template)
+    compiled = compile_template(template)
     variables = _plain({"messages": list(messages), "tools": tools, "add_generation_prompt": add_generation_prompt,
                         "enable_thinking": enable_thinking, **extra})
-    budget = RenderBudget.start()
+    budget, output = RenderBudget.start(), OutputBudget()
     try:
         with active_budget(budget):
-            pieces = _generate(compiled, variables)
+            for piece in compiled.generate(**variables):
+                output.add(piece)
         if budget.exceeded is not None:  # raised inside a filter that swallowed it
             raise budget.exceeded
     except BudgetExceeded as exc:
@@ -163,21 +158,11 @@ def render_chat(template: str, messages: list[dict[str, Any]], add_generation_pr
         raise ChatTemplateError(f"chat template refused by the sandbox: {exc}", exc) from None
     except jinja2.exceptions.TemplateError as exc:
         raise ChatTemplateError(f"chat template error: {exc}", exc) from None
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError,
-            RecursionError, MemoryError) as exc:
+    except ChatTemplateError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever a stranger's template makes Python raise is its failure
         raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}", exc) from None
-    return "".join(pieces)
-
-
-def _generate(compiled: jinja2.Template, variables: dict[str, Any]) -> list[str]:
-    pieces: list[str] = []
-    size = 0
-    for piece in compiled.generate(**variables):
-        size += len(piece)
-        if size > MAX_OUTPUT_CHARS:
-            raise ChatTemplateBudgetError(f"chat template output exceeds {MAX_OUTPUT_CHARS} characters")
-        pieces.append(piece)
-    return pieces
+    return output.text()
 
 
 def special_tokens(metadata: dict[str, Any]) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """Which chat template a model renders with, and rendering a conversation through it (docs/compat.md#template-policy).
 
 A model's template is a Jinja TEMPLATE layer, else its GGUF's `tokenizer.chat_template`, else a Go TEMPLATE in the
-safe subset (gotemplate.py), else the bare prompt; Go templates never reach Jinja.
+safe subset (gotemplate.py), else the bare prompt; Go templates never reach Jinja. Both kinds are held to the limits
+of budget.py (`check_template_source` where a template enters: create, pull, a request's own `template`).
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 
 from dgemma_engine import gguf_keys
 from dgemma_engine.chat import gotemplate
-from dgemma_engine.chat.jinja import render_chat
+from dgemma_engine.chat.budget import ChatTemplateBudgetError, ChatTemplateError
+from dgemma_engine.chat.jinja import compile_template, render_chat
 from dgemma_engine.chat.tool_calls import format_for_template
 
 log = logging.getLogger("dgemma.engine")
@@ -21,12 +23,27 @@ log = logging.getLogger("dgemma.engine")
 class ChatTemplate:
     kind: str  # "jinja" | "go" | "none"
     text: str = ""
-    from_request: bool = False  # a per-request `template`: its failures are the client's (400), not the model's
 
 
 def template_format(text: str) -> str:
     """How a Modelfile TEMPLATE is read: Jinja when it has Jinja statements or loops over `messages`, else Go."""
     return "jinja" if "{%" in text or "messages" in text else "go"
+
+
+def check_template_source(text: str) -> None:
+    """A template where it enters the store or a request (create, pull, a request's own `template`), either kind:
+    its size and nesting within budget.py's limits, else ChatTemplateBudgetError (a one-line 400). Only the limits: a
+    Jinja syntax error is reported where the template is test-rendered or rendered, and a Go template outside the safe
+    subset is kept verbatim and ignored at run time (docs/compat.md#template-policy)."""
+    if template_format(text) != "jinja":
+        gotemplate.check_limits(text)
+        return
+    try:
+        compile_template(text)  # parsing is what measures the nesting; the renders that follow reuse the compile
+    except ChatTemplateBudgetError:
+        raise
+    except ChatTemplateError:
+        pass
 
 
 def select_template(local_model: Any, metadata: dict) -> ChatTemplate:
@@ -40,7 +57,7 @@ def select_template(local_model: Any, metadata: dict) -> ChatTemplate:
         try:
             gotemplate.parse(template)
             return ChatTemplate("go", template)
-        except gotemplate.UnsupportedTemplate as exc:
+        except (gotemplate.UnsupportedTemplate, ChatTemplateError) as exc:  # a model stored before the limits
             log.warning("ignoring the model's Go template: %s", exc)
     return ChatTemplate("none")
 
