@@ -5,9 +5,16 @@ name the store does not have is one of BUNDLED (in its default form, `registry.o
 server creates it from the shipped Modelfile, exactly as `dgemma create <name> -f <Modelfile>` would; the GGUF is
 validated and copied into the store like any other. As with Ollama, a model the user deleted stays deleted: `rm`
 leaves a marker in the store, and only a pull (`dgemma pull sudoku`, or `run`'s pull on a 404) registers it again.
+
+A read-only server (DGEMMA_READONLY) writes nothing in the store, yet a bundled model is part of the installation, not
+something a client adds, so `dgemma run sudoku` still works there: the model is created the same way in a private
+store outside the models folder (a temporary folder, removed when the process exits) and served from it; `list` does
+not show it, as it does not show a bundled model before its first use. A model the user deleted stays deleted there
+too.
 """
 from __future__ import annotations
 
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +28,8 @@ from dgemma_cli.store import Store
 BUNDLED = {"sudoku": "sudoku.Modelfile"}
 DELETED_DIR = ".dgemma-bundled-deleted"  # in the store root: one empty file per bundled model the user deleted
 _lock = threading.Lock()  # two first requests at once register once
+_private: dict[str, Store] = {}  # a read-only server's bundled models: name -> the private store that holds it
+_private_dirs: list[tempfile.TemporaryDirectory] = []  # their folders, removed at exit
 
 
 def presets_dir() -> Path:
@@ -57,26 +66,58 @@ def register_bundled(store: Store, name: ModelName, undelete: bool = False) -> b
     modelfile = bundled_modelfile(name)
     if modelfile is None:
         return False
-    from dgemma_cli.create import create_model, load_modelfile_for_create
-
     marker = _deleted_marker(store, name)
     with _lock:
         if store.exists(name):
             return True
         if marker.exists() and not undelete:
             return False
+        _create(store, name, modelfile)
         try:
-            parsed, base_dir = load_modelfile_for_create(modelfile, modelfile.parent)
-            weights = base_dir / str(parsed.from_)
-            if not weights.is_file():
-                raise DgemmaError(f"the bundled model '{name.model}' is missing from this installation "
-                                  f"({weights.name} not found in the dgemma_modelfiles package)")
-            for _status in create_model(name, parsed, store, base_dir):
-                pass
             marker.unlink(missing_ok=True)
         except OSError as exc:
             raise DgemmaError(f"cannot register the bundled model '{name.model}': {exc.strerror}") from None
     return True
+
+
+def bundled_source(store: Store, name: ModelName, read_only: bool) -> Store | None:
+    """The store to resolve `name` from when `store` lacks it: `store` itself once the bundled model is registered
+    there (register_bundled); on a read-only server a private store outside it, made once per process; None for a
+    name that is not bundled and for a bundled model the user deleted."""
+    if not read_only:
+        return store if register_bundled(store, name) else None
+    modelfile = bundled_modelfile(name)
+    if modelfile is None or _deleted_marker(store, name).exists():
+        return None
+    key = name.model.lower()
+    with _lock:
+        if key not in _private:
+            folder = tempfile.TemporaryDirectory(prefix="dgemma-bundled-", ignore_cleanup_errors=True)
+            try:
+                private = Store(folder.name)
+                _create(private, name, modelfile)
+            except BaseException:
+                folder.cleanup()
+                raise
+            _private_dirs.append(folder)
+            _private[key] = private
+        return _private[key]
+
+
+def _create(store: Store, name: ModelName, modelfile: Path) -> None:
+    """`dgemma create <name> -f <shipped Modelfile>` into `store`."""
+    from dgemma_cli.create import create_model, load_modelfile_for_create
+
+    try:
+        parsed, base_dir = load_modelfile_for_create(modelfile, modelfile.parent)
+        weights = base_dir / str(parsed.from_)
+        if not weights.is_file():
+            raise DgemmaError(f"the bundled model '{name.model}' is missing from this installation "
+                              f"({weights.name} not found in the dgemma_modelfiles package)")
+        for _status in create_model(name, parsed, store, base_dir):
+            pass
+    except OSError as exc:
+        raise DgemmaError(f"cannot register the bundled model '{name.model}': {exc.strerror}") from None
 
 
 def pull_bundled(store: Store, name: ModelName) -> Iterator[dict[str, Any]]:

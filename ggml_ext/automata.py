@@ -10,7 +10,8 @@ JSON object" there, and no end for hostile schemas (`minLength: 100000`, pattern
   (the child is killed), so a schema that would take too long is refused instead of tying up a core;
 - the child writes the automaton to a cache file (numpy arrays, no pickle) named by the vocabulary digest and the
   schema, so a schema is compiled once per vocabulary across requests and restarts. A file that does not read back
-  as a consistent automaton is ignored.
+  as a consistent automaton is ignored. The cache has a size bound: `trim_cache` removes the least recently used
+  files (`mark_used` records a use in the file's access time) once the files hold more than the bound.
 The server decides when to compile and how long to wait (dgemma_cli/server/schema_compiler.py).
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
@@ -102,8 +104,76 @@ def _cached_names() -> list[str]:
 
 def cache_file(cache_dir: Path, vocabulary: Vocabulary, schema: dict[str, Any] | None) -> Path:
     """Where the automaton of (vocabulary, schema) is kept under `cache_dir`."""
-    schema_digest = hashlib.sha256(schema_key(schema).encode()).hexdigest()
-    return Path(cache_dir) / _layout() / vocabulary.digest[:32] / f"{schema_digest[:32]}.npz"
+    return Path(cache_dir) / _layout() / vocabulary.digest[:32] / _schema_file_name(schema)
+
+
+def mark_used(path: Path) -> None:
+    """Record a use of a cache file for trim_cache: its access time becomes now, its modification time (when it was
+    written) stays."""
+    try:
+        os.utime(path, ns=(time.time_ns(), os.stat(path).st_mtime_ns))
+    except OSError:  # gone meanwhile, or another user's file in a shared store: its order is only a little off
+        pass
+
+
+def trim_cache(cache_dir: Path, max_bytes: int, max_files: int, keep: tuple[Path, ...] = ()) -> list[Path]:
+    """Remove cache files under `cache_dir` until the rest hold at most `max_bytes` in at most `max_files` files;
+    returns the removed paths. First go the scratch files a killed compile left (an hour or more ago), then the
+    least recently used (mark_used) schemas' automata; "any JSON object"'s (one per vocabulary, compiled when its
+    model entered the store) only after every schema's. `keep` (the file just written) is never removed, nor a
+    scratch file that may still be being written."""
+    root = Path(cache_dir)
+    current = _layout()
+    any_object = _schema_file_name(None)
+    now = time.time()
+    entries = []  # (eviction order, size, path)
+    try:
+        candidates = [p for p in root.glob("*/*/*") if p.is_file() and not p.is_symlink()]
+    except OSError:
+        return []
+    for path in candidates:
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if path.name.startswith("."):  # save_automaton's scratch file
+            if now - st.st_mtime < 3600:
+                continue  # a compile may still be writing it; it is not counted either
+            rank = (0, 0.0)
+        else:  # files of another layout (another dgemma sharing the store) age like the others
+            last_use = max(st.st_atime, st.st_mtime)
+            rank = (2 if path.name == any_object and path.parent.parent.name == current else 1, last_use)
+        entries.append((rank, st.st_size, path))
+    entries.sort(key=lambda entry: entry[0])
+    total = sum(size for _, size, _ in entries)
+    count = len(entries)
+    removed = []
+    kept = {Path(p) for p in keep}
+    for rank, size, path in entries:
+        if total <= max_bytes and count <= max_files and rank[0] != 0:
+            break
+        if path in kept:
+            continue
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass  # another server sharing the store removed it first
+        except OSError:
+            continue
+        total -= size
+        count -= 1
+        removed.append(path)
+    folders = {path.parent for path in removed} | {path.parent.parent for path in removed}
+    for folder in sorted(folders, key=lambda f: len(f.parts), reverse=True):  # a vocabulary's, then its layout's
+        try:
+            folder.rmdir()  # only when empty
+        except OSError:
+            pass
+    return removed
+
+
+def _schema_file_name(schema: dict[str, Any] | None) -> str:
+    return hashlib.sha256(schema_key(schema).encode()).hexdigest()[:32] + ".npz"
 
 
 def save_automaton(path: Path, automaton: TokenAutomaton) -> None:

@@ -102,7 +102,8 @@ def test_digest_mismatch_cleanup_touches_only_validator_paths(reg, tmp_path):
 
 # ---- B. names ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["../../etc/passwd", "ns/../m", "m:a/b", "a\\b", ".m", "-m", "x" * 81, "a/b/c/d"])
+@pytest.mark.parametrize("name", ["../../etc/passwd", "ns/../m", "m:a/b", "a\\b", ".m", "-m", "x" * 81, "a/b/c/d",
+                                  "h" * 256 + "/ns/m", "h" * 300 + "/ns/m", "h" * 350 + "/library/m:latest"])
 def test_invalid_names_on_every_store_operation(tmp_path, name):
     store = Store(tmp_path / "store")
     store.ensure_dirs()
@@ -455,3 +456,243 @@ def test_realm_host_rule():
     assert _same_auth_host("ollama.com", "registry.ollama.ai")
     assert not _same_auth_host("evil.example", "hf.co") and not _same_auth_host("hf.co.evil.example", "hf.co")
     assert not _same_auth_host("ollama.com", "hf.co") and not _same_auth_host("127.0.0.2", "127.0.0.1")
+
+
+# ---- G. names that reach the file system, store consistency, read-only mode ---------------------------------------
+
+LONG_HOSTS = [256, 300, 350]  # Ollama's grammar allows hosts up to 350 characters; a file name holds 255 bytes
+
+
+def long_name_requests(name: str) -> list[tuple[str, str, dict | None, str]]:
+    """(method, path, body, expected error) of every route that takes a model name."""
+    messages = [{"role": "user", "content": "Hi"}]
+    invalid = "invalid model name"
+    return [
+        ("POST", "/api/show", {"model": name}, invalid),
+        ("POST", "/api/generate", {"model": name, "prompt": "Hi", "stream": False}, invalid),
+        ("POST", "/api/chat", {"model": name, "messages": messages, "stream": False}, invalid),
+        ("DELETE", "/api/delete", {"model": name}, invalid),
+        ("POST", "/api/copy", {"source": name, "destination": "x"}, f'source "{name}" is invalid'),
+        ("POST", "/api/copy", {"source": "tiny", "destination": name}, f'destination "{name}" is invalid'),
+        ("POST", "/api/create", {"model": name, "from": "tiny", "stream": False}, invalid),
+        ("POST", "/api/create", {"model": "x", "from": name, "stream": False}, invalid),
+        ("POST", "/api/pull", {"model": name, "stream": False}, invalid),
+        ("POST", "/api/embed", {"model": name, "input": "x"}, invalid),
+        ("POST", "/v1/chat/completions", {"model": name, "messages": messages}, invalid),
+        ("POST", "/v1/completions", {"model": name, "prompt": "Hi"}, invalid),
+        ("GET", f"/v1/models/{name}", None, invalid),
+    ]
+
+
+@pytest.fixture(scope="module")
+def served_store(tmp_path_factory, gguf_path):
+    import hashlib
+
+    import httpx
+    from server_harness import ServeProcess
+
+    root = tmp_path_factory.mktemp("served-store")
+    with ServeProcess(root / "models") as server, httpx.Client(base_url=server.url, timeout=300) as client:
+        data = gguf_path("tiny-a", "f32").read_bytes()
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        client.post(f"/api/blobs/{digest}", content=data).raise_for_status()
+        created = client.post("/api/create", json={"model": "tiny", "files": {"tiny-a.gguf": digest},
+                                                   "stream": False})
+        assert created.status_code == 200, created.text
+        yield server, client, root / "models"
+
+
+def error_of(response) -> str:
+    error = response.json()["error"]
+    return error["message"] if isinstance(error, dict) else error
+
+
+@pytest.mark.parametrize("host_length", LONG_HOSTS)
+def test_a_host_longer_than_a_file_name_is_an_invalid_name_on_every_route(served_store, host_length):
+    """Once a 500 (ENAMETOOLONG from the store's lookup) on show, generate, chat, delete, copy and /v1."""
+    import time
+
+    server, client, models = served_store
+    name = "h" * host_length + "/ns/m"
+    before = snapshot(models / "manifests")
+    for method, path, body, expected in long_name_requests(name):
+        started = time.monotonic()
+        response = client.request(method, path, json=body)
+        assert (response.status_code, error_of(response)) == (400, expected), (path, response.text)
+        assert time.monotonic() - started < 5
+    assert snapshot(models / "manifests") == before and server.process.poll() is None
+    assert "Traceback" not in server.logs() and "File name too long" not in server.logs()
+
+
+def test_the_longest_valid_host_is_stored_copied_and_deleted(served_store):
+    _, client, models = served_store
+    name = "h" * 255 + "/" + "n" * 80 + "/" + "m" * 80 + ":" + "t" * 80
+    assert client.post("/api/copy", json={"source": "tiny", "destination": name}).status_code == 200
+    shown = client.post("/api/show", json={"model": name})
+    assert shown.status_code == 200 and shown.json()["details"]["family"] == "diffusion-gemma"
+    assert client.request("DELETE", "/api/delete", json={"model": name}).status_code == 200
+    assert client.post("/api/show", json={"model": name}).status_code == 404
+
+
+def unreferenced_blobs(models: Path) -> set[str]:
+    store = Store(models)
+    on_disk = {"sha256:" + p.name.removeprefix("sha256-") for p in store.blobs_dir.iterdir()}
+    return on_disk - store.referenced_digests()
+
+
+def test_copy_onto_an_existing_model_prunes_its_layers_like_create(served_store):
+    """Create over a model and delete already removed the layers nothing references any more; copy did not."""
+    _, client, models = served_store
+    created = client.post("/api/create", json={"model": "victim", "from": "tiny", "system": "only the victim's",
+                                               "parameters": {"seed": 42}, "stream": False})
+    assert created.status_code == 200, created.text
+    victim_only = set(Store(models).read_manifest("victim").all_digests()) - set(
+        Store(models).read_manifest("tiny").all_digests())
+    assert len(victim_only) == 2  # its system and params layers (the config is the same as tiny's)
+    assert unreferenced_blobs(models) == set()
+    assert client.post("/api/copy", json={"source": "tiny", "destination": "victim"}).status_code == 200
+    assert unreferenced_blobs(models) == set()
+    assert not any(Store(models).has_blob(digest) for digest in victim_only)
+    assert Store(models).read_manifest("victim").raw == Store(models).read_manifest("tiny").raw
+    assert client.request("DELETE", "/api/delete", json={"model": "victim"}).status_code == 200
+
+
+def files_of(root: Path) -> dict[str, tuple[int, int]]:
+    """Every path under `root` with its modification time and size (folders too)."""
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.stat().st_size if p.is_file() else 0)
+            for p in sorted(root.rglob("*"))}
+
+
+def test_a_read_only_server_writes_nothing_in_the_models_folder(tmp_path, gguf_path):
+    """Before: `/api/show` of the bundled `sudoku` registered it in the store, schema compiles wrote the automata
+    cache, and the startup prune removed old unreferenced blobs."""
+    import hashlib
+
+    import httpx
+    from server_harness import ServeProcess, add_model
+
+    models = tmp_path / "models"
+    store = Store(models)
+    add_model(store, "tiny", gguf_path("tiny-a", "f32"))
+    stale = store.blob_path("sha256:" + "e" * 64)
+    stale.write_bytes(b"nothing references this")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))  # old enough for the startup prune
+    before = files_of(models)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    options = {"num_predict": 8, "diffusion_steps": 2, "seed": 1}
+    blob = b"an upload"
+    requests = [
+        ("POST", "/api/show", {"model": "sudoku"}, 200),
+        ("POST", "/api/generate", {"model": "sudoku", "prompt": "0" * 81, "stream": False,
+                                   "options": {"task_tries": 1}}, 200),
+        ("POST", "/api/generate", {"model": "tiny", "prompt": "Hi", "stream": False, "format": schema,
+                                   "options": options}, 200),
+        ("POST", "/api/generate", {"model": "tiny", "prompt": "Hi", "stream": False, "format": schema,
+                                   "options": options}, 200),  # from memory now
+        ("POST", "/api/chat", {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "format": "json",
+                               "stream": False, "options": options}, 200),
+        ("GET", "/api/tags", None, 200),
+        ("GET", "/api/ps", None, 200),
+        ("POST", "/api/copy", {"source": "tiny", "destination": "t2"}, 403),
+        ("DELETE", "/api/delete", {"model": "sudoku"}, 403),
+        ("POST", "/api/pull", {"model": "sudoku", "stream": False}, 403),
+        ("POST", "/api/create", {"model": "t3", "from": "tiny", "stream": False}, 403),
+    ]
+    with ServeProcess(models, {"DGEMMA_READONLY": "1"}) as server, \
+            httpx.Client(base_url=server.url, timeout=300) as client:
+        for method, path, body, status in requests:
+            response = client.request(method, path, json=body)
+            assert response.status_code == status, (path, response.text)
+        upload = client.post("/api/blobs/sha256:" + hashlib.sha256(blob).hexdigest(), content=blob)
+        assert upload.status_code == 403
+        assert "sudoku:latest" not in {m["name"] for m in client.get("/api/tags").json()["models"]}
+    assert files_of(models) == before
+
+
+def test_a_read_only_server_does_not_bring_back_a_deleted_bundled_model(tmp_path):
+    from dgemma_cli.bundled import bundled_source, mark_deleted
+
+    store = Store(tmp_path / "models")
+    name = ModelName.parse("sudoku")
+    mark_deleted(store, name)
+    before = files_of(store.root)
+    assert bundled_source(store, name, read_only=True) is None
+    assert bundled_source(store, ModelName.parse("other"), read_only=True) is None
+    private = bundled_source(Store(tmp_path / "fresh"), name, read_only=True)
+    assert private is not None and private.root != tmp_path / "fresh" and private.exists(name)
+    assert files_of(store.root) == before and not (tmp_path / "fresh").exists()
+
+
+# ---- the structured-output disk cache's bound ----------------------------------------------------------------------
+
+def _cache_path(cache_dir: Path, vocabulary_digest: str, schema) -> Path:
+    from dgemma_engine.automata import Vocabulary, cache_file
+
+    return cache_file(cache_dir, Vocabulary({}, (), 1, vocabulary_digest), schema)
+
+
+def _cache_entry(path: Path, size: int, used: float) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x" * size)
+    os.utime(path, (used, used))
+    return path
+
+
+def test_trim_cache_removes_least_recently_used_schemas_before_any_json_object(tmp_path):
+    from dgemma_engine.automata import trim_cache
+
+    now = time.time()
+    cache = tmp_path / "automata"
+    any_object = _cache_entry(_cache_path(cache, "a" * 64, None), 100, now - 500)  # the oldest
+    schemas = [_cache_entry(_cache_path(cache, "a" * 64, {"n": i}), 100, now - 400 + i * 100) for i in range(3)]
+    other = _cache_entry(_cache_path(cache, "b" * 64, {"n": 9}), 100, now - 450)  # another vocabulary's
+    dead = _cache_entry(schemas[0].with_name(".x.npz.1.2.tmp"), 100, now - 7200)  # a killed compile's scratch
+    live = _cache_entry(schemas[0].with_name(".y.npz.3.4.tmp"), 100, now)  # a compile writing now
+    removed = trim_cache(cache, max_bytes=250, max_files=100, keep=(schemas[2],))
+    assert removed == [dead, other, schemas[0], schemas[1]]
+    assert not other.parent.exists()  # the emptied vocabulary folder goes too
+    assert {p for p in cache.rglob("*") if p.is_file()} == {any_object, schemas[2], live}
+    assert trim_cache(cache, max_bytes=250, max_files=100) == []  # within the bound: nothing to do
+    assert trim_cache(cache, max_bytes=10**9, max_files=1, keep=(schemas[2],)) == [any_object]
+
+
+def test_the_disk_cache_of_a_real_compiler_stays_within_its_bound_and_reads_count_as_uses(tmp_path, gguf_path):
+    """Each compile of a new schema writes a file; past the bound, the least recently used go, and a schema read
+    back from disk (after a restart) counts as used."""
+    import asyncio
+
+    from dgemma_cli.server.schema_compiler import SchemaCompiler
+
+    gguf = gguf_path("tiny-a", "f32")
+    cache = tmp_path / "automata"
+    schemas = [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+               for i in range(5)]
+
+    def files() -> set[Path]:
+        return {p for p in cache.rglob("*.npz")}
+
+    async def compile_all(compiler, chosen) -> list[Path]:
+        written = []
+        for schema in chosen:
+            before = files()
+            await compiler.automaton(gguf, schema)
+            written += sorted(files() - before)
+        return written
+
+    async def scenario():
+        first = SchemaCompiler(cache, cpu_limit_s=30, disk_files=3)
+        paths = await compile_all(first, schemas[:3])
+        assert len(paths) == 3 and files() == set(paths)
+        await first.close()
+        second = SchemaCompiler(cache, cpu_limit_s=30, disk_files=3)  # a restart: nothing in memory
+        await second.automaton(gguf, schemas[0])  # read from disk: now the most recently used
+        (fourth,) = await compile_all(second, schemas[3:4])
+        assert files() == {paths[0], paths[2], fourth}  # schema 1 was the least recently used
+        sizes = sum(p.stat().st_size for p in files())
+        third = SchemaCompiler(cache, cpu_limit_s=30, disk_bytes=sizes // 2)
+        (fifth,) = await compile_all(third, schemas[4:5])
+        assert fifth in files() and sum(p.stat().st_size for p in files()) <= max(sizes // 2, fifth.stat().st_size)
+        await second.close()
+        await third.close()
+
+    asyncio.run(scenario())

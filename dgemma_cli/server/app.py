@@ -152,13 +152,14 @@ def create_app(
     config = config or ServerConfig.from_env()
     store = store if store is not None else Store(config.models_dir)
     if schemas is None:
-        schemas = SchemaCompiler(Path(store.root) / "cache" / "automata", config.schema_compile_timeout)
+        schemas = SchemaCompiler(Path(store.root) / "cache" / "automata", config.schema_compile_timeout,
+                                 read_only=config.readonly)
     scheduler = Scheduler(config, runner_factory or default_runner_factory,
                           on_loaded=schemas.precompile if precompile_formats else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        if not config.noprune:
+        if not config.noprune and not config.readonly:  # a read-only server writes nothing in the store
             try:
                 removed = store.prune()
                 if removed:

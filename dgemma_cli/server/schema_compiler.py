@@ -13,7 +13,9 @@ vocabulary, so it is compiled once per vocabulary, without that limit, and a req
 rather than being refused. It is compiled into the disk cache as the last step of `/api/create` and `/api/pull`, so
 that even the first load of a new model reads it from disk, and in the background when a model loads (a no-op when it
 is cached). Every automaton is kept in memory (the last CACHE_SIZE) and on disk (`<models>/cache/automata/`), so it is
-compiled once per (vocabulary, schema), across restarts. Before an automaton is handed out, the constrained decoder's
+compiled once per (vocabulary, schema), across restarts; the disk cache keeps at most DISK_CACHE_BYTES in
+DISK_CACHE_FILES files, the least recently used going first ("any JSON object" last). A read-only server
+(DGEMMA_READONLY) reads that cache but never writes to it: what it compiles stays in memory. Before an automaton is handed out, the constrained decoder's
 index of it (dgemma_engine.constrained.decode_index: its runs of edges and token sets) is built in a thread, once per
 automaton in memory, so a request's first canvas does not wait for it.
 """
@@ -37,6 +39,11 @@ from dgemma_engine import gguf_keys
 log = logging.getLogger("dgemma.server")
 
 CACHE_SIZE = 8                  # automata kept in memory ("any JSON object" at 262k tokens is hundreds of MB)
+# The disk cache's bound: "any JSON object" at 262k tokens is a 436 MiB file, kept for a few vocabularies; a schema's
+# file is kilobytes to tens of MB. Only compiles that succeeded are written (a refusal is remembered in memory:
+# REFUSALS).
+DISK_CACHE_BYTES = 2 << 30
+DISK_CACHE_FILES = 256
 VOCABULARIES = 4                # vocabularies kept in memory, by GGUF path
 REFUSALS = 256                  # (vocabulary, schema) pairs known to exceed the CPU limit: refused again at once
 WALL_LIMIT_FACTOR = 30          # a compile starved of CPU by generations is given up after this × its CPU limit
@@ -56,8 +63,14 @@ class _Compile:
 class SchemaCompiler:
     """Compiled output formats for the requests, by (vocabulary digest, schema)."""
 
-    def __init__(self, cache_dir: Path | None, cpu_limit_s: float, parallel: int | None = None):
+    def __init__(self, cache_dir: Path | None, cpu_limit_s: float, parallel: int | None = None,
+                 read_only: bool = False, disk_bytes: int = DISK_CACHE_BYTES, disk_files: int = DISK_CACHE_FILES):
+        """`read_only`: read `cache_dir`, never write there (a DGEMMA_READONLY server); `disk_bytes`, `disk_files`:
+        the disk cache's bound."""
         self.cache_dir = cache_dir
+        self.read_only = read_only
+        self.disk_bytes = disk_bytes
+        self.disk_files = disk_files
         self.cpu_limit_s = cpu_limit_s
         self._slots = asyncio.Semaphore(parallel or max(2, (os.cpu_count() or 1) // 2))
         self._background_slot = asyncio.Semaphore(1)
@@ -134,7 +147,7 @@ class SchemaCompiler:
         is a writable cache, the vocabulary can open an object, and the file is not there yet."""
         from dgemma_engine.automata import cache_file
 
-        if self.cache_dir is None:
+        if self.cache_dir is None or self.read_only:
             return False
         vocabulary = await self.vocabulary(gguf_path)
         if not any(written.startswith(b"{") for written in vocabulary.token_map):  # the value's first byte
@@ -151,7 +164,9 @@ class SchemaCompiler:
         vocabulary = await self.vocabulary(gguf_path)
         automaton = self._automata.get((vocabulary.digest, schema_key(None)))
         if automaton is not None:  # compiled by this server, its file removed since
-            await asyncio.to_thread(save_automaton, cache_file(self.cache_dir, vocabulary, None), automaton)
+            path = cache_file(self.cache_dir, vocabulary, None)
+            await asyncio.to_thread(save_automaton, path, automaton)
+            await asyncio.to_thread(self._trim, path)
         else:
             await self.automaton(gguf_path, None)
         return True
@@ -197,20 +212,23 @@ class SchemaCompiler:
             task.exception()  # retrieved here: a background compile's failure has no requester to see it
 
     async def _compile(self, key: tuple[str, str], vocabulary: Any, schema: dict | None, shared: bool) -> Any:
-        from dgemma_engine.automata import CompileLimitExceeded, cache_file, load_automaton
+        from dgemma_engine.automata import CompileLimitExceeded, cache_file, load_automaton, mark_used
         from dgemma_engine.constrained import ConstraintError, decode_index
 
         path = None if self.cache_dir is None else cache_file(self.cache_dir, vocabulary, schema)
         if path is not None:
             automaton = await asyncio.to_thread(load_automaton, path, vocabulary.n_tokens)
             if automaton is not None:
+                if not self.read_only:
+                    await asyncio.to_thread(mark_used, path)
                 await asyncio.to_thread(decode_index, automaton)
                 self._remember(key, automaton)
                 return automaton
         cpu_limit_s = BACKGROUND_CPU_LIMIT_S if shared else self.cpu_limit_s
+        out = None if self.read_only else path  # a read-only server's compile is kept in memory only
         async with self._background_slot if shared else self._slots:
             try:
-                automaton = await self._run_child(schema, vocabulary, path, cpu_limit_s)
+                automaton = await self._run_child(schema, vocabulary, out, cpu_limit_s)
             except CompileLimitExceeded as exc:
                 message = limit_message(exc, shared)
                 if exc.kind == "CPU time":  # the same schema would take as long again; wall time depends on load
@@ -218,9 +236,21 @@ class SchemaCompiler:
                     while len(self._refused) > REFUSALS:
                         self._refused.popitem(last=False)
                 raise ConstraintError(message) from None
+        if out is not None:
+            await asyncio.to_thread(self._trim, out)
         await asyncio.to_thread(decode_index, automaton)
         self._remember(key, automaton)
         return automaton
+
+    def _trim(self, written: Path) -> None:
+        """Keep the disk cache within its bound after `written` entered it (in a worker thread)."""
+        from dgemma_engine.automata import trim_cache
+
+        if not written.is_file():  # the cache folder was not writable: the compile used a scratch file
+            return
+        removed = trim_cache(self.cache_dir, self.disk_bytes, self.disk_files, keep=(written,))
+        if removed:
+            log.debug("removed %d least recently used automata from the disk cache", len(removed))
 
     async def _run_child(self, schema: dict | None, vocabulary: Any, path: Path | None, cpu_limit_s: float) -> Any:
         from dgemma_engine.automata import compile_isolated

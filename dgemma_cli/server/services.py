@@ -9,7 +9,7 @@ from typing import Any
 from dgemma_engine.arch import ARCH
 from starlette.requests import Request
 
-from dgemma_cli.bundled import register_bundled
+from dgemma_cli.bundled import bundled_source
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.names import ModelName
 from dgemma_cli.server.config import ServerConfig
@@ -59,10 +59,12 @@ class Services:
         try:
             local = await asyncio.to_thread(self.store.resolve, name)
         except ModelNotFoundError:
-            # a bundled model (sudoku) registers itself from the package on first use: no pull, no network
-            if not await asyncio.to_thread(register_bundled, self.store, name):
+            # a bundled model (sudoku) comes from the package on first use: no pull, no network; registered in the
+            # store, or served from a private copy by a read-only server, which writes nothing there
+            source = await asyncio.to_thread(bundled_source, self.store, name, self.config.readonly)
+            if source is None:
                 raise
-            local = await asyncio.to_thread(self.store.resolve, name)
+            local = await asyncio.to_thread(source.resolve, name)
         return ResolvedModel(name=name, local=local, requested=text)
 
     async def resolve_runnable(self, text: str) -> ResolvedModel:
