@@ -11,7 +11,10 @@ every API. It checks that
 - no answer is a 5xx (nor a streamed `internal server error`), and every request is answered within a deadline;
 - a generation whose format is a hostile schema (tests/json_schemas.py) gets a 4xx within the compile limit + slack;
 - the server process stays alive (no signal, no exit);
-- every model that create accepted and that still exists answers a generate with 200.
+- every model that create accepted and that still exists answers a generate with 200;
+- the store is consistent at the end: every blob a manifest names exists, and no blob is left that nothing
+  references other than uploads no model used (create over a model, copy over it and delete prune what only the old
+  manifest had; DGEMMA_NOPRUNE=1 turns off only the startup prune, which has nothing to do in a fresh store).
 Nothing leaves the machine: the server only listens on 127.0.0.1 and pulls can only name loopback hosts (a default
 registry name would go to a closed loopback port). tests/test_fuzz_api.py runs a small size in CI.
 """
@@ -89,6 +92,11 @@ def encode(body: Any) -> bytes:
 NAMES = ["", " ", "a/b/c/d/e", "../../etc/passwd", "x:y:z", "tiny\x00", "\x00", "ti\udfffny", "TINY:LATEST",
          "fz-model", "fz-other:v1", "fz/ns/name", "127.0.0.1:9/library/x", "sha256:" + "0" * 64, "a" * 300,
          "http://fz-model", "fz-model@sha256:00", "-", ".", "fz model", "fz-\u00e9t\u00e9", "fz-\U0001F600"]
+# Long names: a host past a file name's 255 bytes (Ollama's grammar allows 350) is an invalid name on every route; the
+# longest valid host is stored, copied and deleted like any other name.
+LONG_NAMES = ["h" * 256 + "/ns/m", "h" * 300 + "/library/fz-model", "1" * 250 + ":11434/ns/m", "h" * 350 + "/ns/m:t",
+              "h" * 255 + "/ns/fz-long", "h" * 255 + "/" + "n" * 80 + "/" + "m" * 80 + ":" + "t" * 80, "fz-" + "x" * 400]
+NAMES += LONG_NAMES
 DIGESTS = ["sha256:" + "0" * 64, "sha256:" + "g" * 64, "sha256:", "sha256-" + "1" * 64, "../x", "sha256:" + "a" * 63,
            "md5:" + "0" * 32, "", "sha256:" + "0" * 64 + "\x00", "sha256:" + "F" * 64]
 KNOWN_OPTIONS = ["temperature", "num_predict", "top_p", "min_p", "top_k", "seed", "num_ctx", "stop", "num_thread",
@@ -370,6 +378,7 @@ class FuzzReport:
     models_checked: int = 0
     hostile_formats: int = 0  # generations asked for in a hostile schema's format
     image_cases: int = 0  # requests built from a body with images (image_requests)
+    blobs_checked: int = 0  # blobs the store's manifests reference at the end (check_store)
     template_cases: int = 0  # hostile templates (template_case)
     seconds: float = 0.0
     stopped_early: bool = False
@@ -379,6 +388,7 @@ class FuzzReport:
         return (f"{self.requests} requests in {self.seconds:.1f} s ({histogram}); GGUF uploads {self.gguf_cases}, "
                 f"accepted by create {self.gguf_accepted}; accepted models that generated: {self.models_checked}; "
                 f"generations in a hostile format: {self.hostile_formats}; with images: {self.image_cases}; "
+                f"referenced blobs checked: {self.blobs_checked}; "
                 f"hostile templates: {self.template_cases}; "
                 f"failures: {len(self.failures)}" + (" (stopped at the time budget)" if self.stopped_early else ""))
 
@@ -389,6 +399,7 @@ class Fuzzer:
         self.report = report
         self.client = httpx.Client(base_url=server.url, timeout=deadline)
         self.accepted: set[str] = set()  # models create answered 200 for (checked at the end)
+        self.uploaded: set[str] = set()  # digests /api/blobs took (kept unreferenced until a startup prune)
 
     def send(self, method: str, path: str, content: bytes | None, label: str,
              within: float | None = None) -> httpx.Response | None:
@@ -430,7 +441,10 @@ class Fuzzer:
     def upload(self, data: bytes, label: str) -> str | None:
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
         response = self.send("POST", f"/api/blobs/{digest}", data, label + " upload")
-        return digest if response is not None and response.status_code in (200, 201) else None
+        if response is not None and response.status_code in (200, 201):
+            self.uploaded.add(digest)
+            return digest
+        return None
 
     def gguf_case(self, rng: random.Random, fixture: Path, scratch: Path, index: int, names: list[str]) -> None:
         self.report.gguf_cases += 1
@@ -450,6 +464,30 @@ class Fuzzer:
             self.report.gguf_accepted += 1
             self.accepted.add(body["model"])
 
+    def sweep_long_names(self, bases: list[tuple[str, str, Any]]) -> None:
+        """LONG_NAMES (the random draws pick them rarely) on /api/show and /v1/models each, and in turn in every name
+        field of every base request; then a copy over a model that has layers of its own, which must leave none of
+        them behind (check_store)."""
+        for name in LONG_NAMES:
+            self.send("GET", f"/v1/models/{name}", None, f"long name {name[:12]}... on /v1/models")
+            self.send("POST", "/api/show", encode({"model": name}), f"long name {name[:12]}... on /api/show")
+        fields = [(method, path, body, f) for method, path, body in bases if isinstance(body, dict)
+                  for f in NAME_FIELDS if f in body]
+        for index, (method, path, body, field_name) in enumerate(fields):
+            name = LONG_NAMES[index % len(LONG_NAMES)]
+            mutated = {**body, field_name: name}
+            if not is_safe(path, mutated):
+                continue
+            response = self.send(method, path, encode(mutated),
+                                 f"long name {name[:12]}... ({len(name)}) as {field_name} of {path}")
+            if path in ("/api/create", "/api/copy"):
+                self.note_create(mutated if path == "/api/create" else {"model": mutated["destination"]}, response)
+        victim = {"model": "fz-victim", "from": BASE_MODEL, "system": "only fz-victim has this", "stream": False,
+                  "parameters": {"seed": 9}}
+        self.send("POST", "/api/create", encode(victim), "copy over a model: its create")
+        self.send("POST", "/api/copy", encode({"source": BASE_MODEL, "destination": "fz-victim"}),
+                  "copy over a model")
+
     def check_accepted_models(self) -> None:
         tags = self.client.get("/api/tags").json()["models"]
         present = {m["name"] for m in tags} | {m["name"].removesuffix(":latest") for m in tags}
@@ -462,6 +500,20 @@ class Fuzzer:
             if response is not None and response.status_code != 200:
                 self.report.failures.append(f"accepted model {name!r} does not run: {response.status_code} "
                                             f"{response.text[:200]}")
+
+    def check_store(self, models: Path) -> None:
+        """Every blob a manifest names exists; every file in blobs/ is referenced or an upload (see the docstring)."""
+        from dgemma_cli.store import Store
+
+        store = Store(models)
+        refs = store.referenced_digests()
+        self.report.failures += [f"store: a manifest names the missing blob {d}" for d in sorted(refs)
+                                 if not store.has_blob(d)]
+        for path in sorted(store.blobs_dir.iterdir()):
+            digest = "sha256:" + path.name.removeprefix("sha256-")
+            if digest not in refs and digest not in self.uploaded:
+                self.report.failures.append(f"store: blobs/{path.name[:40]} is left with nothing referencing it")
+        self.report.blobs_checked = len(refs)
 
 
 # ---- hostile templates (issue 36) ----------------------------------------------------------------------------------
@@ -540,6 +592,7 @@ def run(cases: int, seed: int = 1, gguf: Path | None = None, time_budget: float 
                 "tiny-a.gguf": base_digest, "mmproj.gguf": fuzzer.upload(projector.read_bytes(), "projector")}}
             assert fuzzer.send("POST", "/api/create", encode(vision), "vision create").status_code == 200
             bases = base_requests(base_digest)
+            fuzzer.sweep_long_names(bases)
             mutant_names = sorted(MUTANTS)
             rng.shuffle(mutant_names)
             gguf_index = 0
@@ -575,6 +628,7 @@ def run(cases: int, seed: int = 1, gguf: Path | None = None, time_budget: float 
                     fuzzer.note_create(body if path == "/api/create" else {"model": body.get("destination")}
                                        if isinstance(body, dict) else None, response)
             fuzzer.check_accepted_models()
+            fuzzer.check_store(work / "models")
             if server.process.poll() is not None:
                 report.failures.append(f"server exited with {server.process.returncode}")
         report.seconds = time.monotonic() - started
