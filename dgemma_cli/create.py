@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from dgemma_engine.arch import ARCH
-from dgemma_engine.chat.templates import check_template_source, template_format
+from dgemma_engine.chat.templates import template_format
 from dgemma_engine.gguf_keys import KEY_CANVAS_LENGTH, KEY_CHAT_TEMPLATE, KEY_GENERAL_TYPE, KEY_TOKENIZER_MODEL
 
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gguf_check import GGUFError, GGUFInfo, check_runnable, read_gguf_info
-from dgemma_cli.modelfile import Modelfile, check_parameter_ranges, quote
+from dgemma_cli.modelfile import (Modelfile, ModelfileError, check_jinja, check_messages, check_parameters,
+                                  checked_modelfile)
 from dgemma_cli.names import ModelName
 from dgemma_cli.projector import ProjectorError, check_fits_model, is_projector, projector_info
 from dgemma_cli.store import (CONFIG_MEDIA_TYPE, MEDIA_ADAPTER, MEDIA_LICENSE, MEDIA_MESSAGES, MEDIA_MODEL,
@@ -49,20 +50,13 @@ def human_number(n: int) -> str:
     return str(n)
 
 
-TEMPLATE_CHECK_MESSAGES = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"},
-                           {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
-
-
 def check_jinja_template(text: str) -> None:
-    """Test-render a Jinja chat template with the renderer inference uses (same sandbox, same time and size
-    budget), so a template refused at run time for any conversation is refused here too
-    (docs/compat.md#template-policy)."""
-    from dgemma_engine.chat.jinja import ChatTemplateError, render_chat
-
+    """modelfile.check_jinja (the test render a TEMPLATE, a GGUF's own chat template and a pulled template layer all
+    get) as a CreateError."""
     try:
-        render_chat(text, TEMPLATE_CHECK_MESSAGES, bos_token="<bos>", eos_token="<eos>")
-    except ChatTemplateError as exc:
-        raise CreateError(f"template error: {exc.detail}"[:300]) from None
+        check_jinja(text)
+    except ModelfileError as exc:
+        raise CreateError(str(exc)) from None
 
 
 # ---- FROM resolution -----------------------------------------------------------------------------------------------
@@ -162,13 +156,6 @@ def split_froms(froms: list[str], base_dir: Path, paths_within: Path | None) -> 
     if len(projectors) > 1:
         raise CreateError("a Modelfile takes at most one vision projector")
     return FromSources(models[0][0], models[0][1], projectors[0] if projectors else None)
-
-
-def _check_values(mf: Modelfile) -> None:
-    texts = [mf.template, mf.system, *mf.licenses, *(m["content"] for m in mf.messages)]
-    for text in texts:
-        if text is not None:
-            quote(text)  # raises `value may not contain '"""'`
 
 
 def validated_gguf(path: Path) -> GGUFInfo:
@@ -462,17 +449,12 @@ def _create_model(name: ModelName | str, modelfile: Modelfile, store: Store, bas
         adapters = modelfile_adapters(modelfile, base_dir, paths_within)
     if not modelfile.froms:
         raise CreateError("neither 'from' or 'files' was specified")
-    check_parameter_ranges(modelfile.parameters)
-    _check_values(modelfile)
+    modelfile = checked_modelfile(modelfile)  # the same checks for a Modelfile and a REST create (and pull's layers)
     quant = None
     if quantize:
         quant = QUANTIZE_TYPES.get(quantize.lower())
         if quant is None:
             raise CreateError(f"unsupported quantization type {quantize} (use one of q4_K_M, q5_K_M, q6_K, q8_0, q4_0)")
-    if modelfile.template is not None:
-        check_template_source(modelfile.template)  # size and nesting, Go or Jinja (budget.py): a one-line 400
-    if modelfile.template is not None and template_format(modelfile.template) == "jinja":
-        check_jinja_template(modelfile.template)
 
     store.ensure_dirs()
     sources = split_froms(modelfile.froms, base_dir, paths_within)
@@ -617,8 +599,8 @@ def _from_model(store: Store, parent_name: ModelName, quant: str | None) -> Iter
 
 def _write_model(store: Store, name: ModelName, mf: Modelfile, base: _Base) -> Iterator[dict[str, Any]]:
     """Merge the Modelfile over the base, write the small layers, the config and the manifest."""
-    params = {**base.params, **mf.parameters}  # new keys win
-    messages = list(mf.messages) if mf.messages else base.messages  # replaced only if given
+    params = check_parameters({**base.params, **mf.parameters})  # new keys win; an inherited value is checked too
+    messages = list(mf.messages) if mf.messages else check_messages(base.messages)  # replaced only if given
     template = mf.template if mf.template is not None else base.template
     system = mf.system if mf.system is not None else base.system
     licenses = base.licenses + [text for text in mf.licenses if text not in base.licenses]

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dgemma_cli import env
-from dgemma_cli.errors import DgemmaError
+from dgemma_cli.errors import DgemmaError, out_of_range
 from dgemma_engine import settings
 from dgemma_engine.settings import setting_for_option
 
@@ -27,17 +27,8 @@ ERR_COMMAND = (
 )
 ERR_ROLE = 'message role must be one of "system", "user", or "assistant"'
 
-# PARAMETER types (docs/compat.md#options-typing); the sampler settings' types come from dgemma_engine.settings. `stop`
-# is the only list.
-INT_PARAMS = {
-    "num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "num_predict", "seed", "top_k", "repeat_last_n",
-    "num_keep", "draft_num_predict", "num_cpu_moe", "num_parallel",
-}
-FLOAT_PARAMS = {
-    "temperature", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
-}
-BOOL_PARAMS = {"use_mmap", "diffusion_progress", "diffusion_preview"}
-LIST_PARAMS = {"stop"}
+# PARAMETER names and types come from dgemma_engine.settings: the sampler table and the options table (`stop` is the
+# only list).
 DEPRECATED_PARAMS = {
     "penalize_newline", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mlock", "mirostat", "mirostat_tau",
     "mirostat_eta",
@@ -224,15 +215,24 @@ def parse_commands(data: str | bytes) -> list[Command]:
 
 # ---- typing --------------------------------------------------------------------------------------------------------
 
+def parameter_type(name: str) -> type | None:
+    """The type of a PARAMETER (int, float, bool or list), None for an unknown name."""
+    setting = setting_for_option(name)
+    if setting is not None:
+        return setting.type
+    row = settings.option_setting(name)
+    return row.type if row is not None else None
+
+
 def parse_parameter(name: str, value: str) -> Any:
     """Type one PARAMETER value (also used by the REPL's `/set parameter`)."""
-    setting = setting_for_option(name)
-    if name in INT_PARAMS or setting is not None and setting.type is int:
+    kind = parameter_type(name)
+    if kind is int:
         try:
             return int(value, 10)
         except ValueError:
             raise ModelfileError(f"invalid int value [{value}]") from None
-    if name in FLOAT_PARAMS or setting is not None and setting.type is float:
+    if kind is float:
         try:
             number = float(value)
         except ValueError:
@@ -240,36 +240,182 @@ def parse_parameter(name: str, value: str) -> Any:
         if not math.isfinite(number):
             raise ModelfileError(f"invalid float value [{value}]")
         return number
-    if name in BOOL_PARAMS:
+    if kind is bool:
         if value not in _BOOL_WORDS:
             raise ModelfileError(f"invalid bool value [{value}]")
         return _BOOL_WORDS[value]
-    if name in LIST_PARAMS:
+    if kind is list:
         return value
     raise ModelfileError(f"unknown parameter '{name}'")
+
+
+_TYPE_WORDS = {int: "integer", float: "float32", bool: "boolean", list: "array"}
+
+
+def type_word(kind: type) -> str:
+    """What the type errors call a type (docs/compat.md#options-typing)."""
+    return _TYPE_WORDS[kind]
+
+
+def typed_value(name: str, value: Any) -> Any:
+    """A JSON value (request option, REST create parameter, pulled params layer) as PARAMETER `name` holds it, else
+    `option "top_k" must be of type integer`; an integral JSON number is an int. `name` must be known."""
+    kind = parameter_type(name)
+    if not _has_type(value, kind):
+        raise ModelfileError(f'option "{name}" must be of type {_TYPE_WORDS[kind]}')
+    if kind is bool:
+        return value
+    if kind is list:
+        return list(value)
+    if kind is int:
+        value = int(value)
+        if not settings.INT64_MIN <= value <= settings.INT64_MAX:
+            raise out_of_range(name)
+        return value
+    value = float(value)
+    if abs(value) > settings.FLOAT32_MAX:
+        raise out_of_range(name)
+    return value
+
+
+def _has_type(value: Any, kind: type | None) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is list:
+        return isinstance(value, list) and all(isinstance(item, str) for item in value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return kind is not int or not isinstance(value, float) or value.is_integer()
+
+
+def typed_parameters(params: Any, *, unknown: str = "refuse") -> dict[str, Any]:
+    """PARAMETERs given as JSON (REST create, a params layer, a stored model), typed: `None` values, empty lists and
+    Ollama's deprecated names are dropped; an unknown name is `unknown parameter 'foo'` (`unknown="refuse"`, what a Modelfile
+    does) or dropped (`"drop"`: a request reading a stored model)."""
+    if not isinstance(params, dict):
+        raise ModelfileError("parameters must be an object")
+    typed: dict[str, Any] = {}
+    for name, value in params.items():
+        if value is None or name in DEPRECATED_PARAMS:
+            continue
+        if not isinstance(name, str) or parameter_type(name) is None:
+            if unknown == "drop":
+                continue
+            raise ModelfileError(f"unknown parameter '{name}'")
+        value = typed_value(name, value)
+        if value != []:  # an empty `stop` is no stop: a Modelfile cannot write one
+            typed[name] = value
+    return typed
 
 
 def max_steps_cap() -> int:
     return env.MAX_STEPS.get_or_default()
 
 
-# Load-time PARAMETERs with a range of their own: each generation slot holds a K/V context, so the count is bounded.
-LOAD_PARAM_RANGES = {"num_parallel": (1, 64)}
-
-
 def check_parameter_ranges(params: dict[str, Any]) -> None:
-    """The sampler settings' ranges (dgemma_engine.settings) and LOAD_PARAM_RANGES, applied at create to the
-    PARAMETERs given.
+    """The ranges of dgemma_engine.settings (the options table, then the sampler settings) applied to typed
+    PARAMETERs: at create, at pull and for a stored model's request.
 
     Message shape: `invalid value for diffusion_steps: 0 (must be between 1 and 256)`."""
-    for name, (low, high) in LOAD_PARAM_RANGES.items():
-        if name in params and not low <= params[name] <= high:
-            raise ModelfileError(f"invalid value for {name}: {params[name]} (must be between {low} and {high})")
-    values = {s.field: params[s.option] for s in settings.SAMPLER_SETTINGS if s.option in params}
     try:
+        for name, value in params.items():
+            settings.check_option(name, value)
+        values = {s.field: params[s.option] for s in settings.SAMPLER_SETTINGS if s.option in params}
         settings.check_values(values, max_steps_cap=max_steps_cap())
     except settings.SettingError as exc:
         raise ModelfileError(str(exc)) from None
+
+
+def check_parameters(params: Any) -> dict[str, Any]:
+    """The one check of a model's PARAMETERs however they arrive (Modelfile, REST create, a pulled params layer):
+    names, types, ranges, and values `show --modelfile` can print. Returns them typed."""
+    typed = typed_parameters(params)
+    for value in typed.get("stop", ()):
+        quote(value)
+    check_parameter_ranges(typed)
+    return typed
+
+
+MESSAGE_KEYS = ("role", "content")
+
+
+def check_messages(messages: Any) -> list[dict[str, str]]:
+    """The one check of a model's MESSAGEs (Modelfile, REST create `messages`, a pulled messages layer): objects
+    with a Modelfile role and string content, nothing else (what `show --modelfile` prints)."""
+    if not isinstance(messages, list):
+        raise ModelfileError("messages must be a list of objects with \"role\" and \"content\"")
+    checked = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise ModelfileError(f'{where}: a message is an object with "role" and "content"')
+        extra = sorted(str(key) for key in message if key not in MESSAGE_KEYS)
+        if extra:
+            raise ModelfileError(f'{where}: a stored message has only "role" and "content", not "{extra[0]}"'[:200])
+        if message.get("role") not in ROLES:
+            raise ModelfileError(f"{where}: {ERR_ROLE}")
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise ModelfileError(f"{where}: message content must be a string")
+        quote(content)
+        checked.append({"role": message["role"], "content": content})
+    return checked
+
+
+MAX_REQUIRES = 64  # REQUIRES is a version such as 0.14.0; no real one comes near this
+
+
+def check_requires(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > MAX_REQUIRES or not _SEMVER_RE.fullmatch(value):
+        raise ModelfileError("requires must be a valid semver (e.g. 0.14.0)")
+    return value
+
+
+TEMPLATE_CHECK_MESSAGES = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"},
+                           {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
+
+
+def check_jinja(text: str) -> None:
+    """Test-render a Jinja chat template with the renderer inference uses (same sandbox, same time and size
+    budget), so a template refused at run time for any conversation is refused here too
+    (docs/compat.md#template-policy)."""
+    from dgemma_engine.chat.jinja import ChatTemplateError, render_chat
+
+    try:
+        render_chat(text, TEMPLATE_CHECK_MESSAGES, bos_token="<bos>", eos_token="<eos>")
+    except ChatTemplateError as exc:
+        raise ModelfileError(f"template error: {exc.detail}"[:300]) from None
+
+
+def check_template(text: Any) -> str:
+    """The one check of a model's TEMPLATE (Modelfile, REST create, a pulled template layer)."""
+    from dgemma_engine.chat.templates import check_template_source, template_format
+
+    if not isinstance(text, str):
+        raise ModelfileError("template must be a string")
+    quote(text)
+    check_template_source(text)  # size and nesting, Go or Jinja (budget.py): a one-line 400
+    if template_format(text) == "jinja":
+        check_jinja(text)
+    return text
+
+
+def checked_modelfile(mf: Modelfile) -> Modelfile:
+    """A Modelfile (parsed, or built from a REST create request) checked by the same rules whichever way it came,
+    so `show --modelfile` of what create stores always parses and creates again. Returns it with typed PARAMETERs
+    and plain {role, content} MESSAGEs; raises ModelfileError (400)."""
+    parameters = check_parameters(mf.parameters)
+    messages = check_messages(mf.messages)
+    if mf.requires is not None:
+        check_requires(mf.requires)
+    for text in (mf.system, *mf.licenses):
+        if text is not None:
+            quote(text)  # raises `value may not contain '"""'`
+    if mf.template is not None:
+        check_template(mf.template)
+    return replace(mf, parameters=parameters, messages=messages)
 
 
 def parse_modelfile(data: str | bytes) -> Modelfile:
@@ -288,16 +434,14 @@ def parse_modelfile(data: str | bytes) -> Modelfile:
         elif cmd.name == "message":
             mf.messages.append({"role": cmd.role or "", "content": cmd.args})
         elif cmd.name == "requires":
-            if not _SEMVER_RE.fullmatch(cmd.args):
-                raise ModelfileError("requires must be a valid semver (e.g. 0.14.0)")
-            mf.requires = cmd.args
+            mf.requires = check_requires(cmd.args)
         elif cmd.name == "parameter":
             name = cmd.param or ""
             if name in DEPRECATED_PARAMS:
                 mf.warnings.append(f"warning: parameter {name} is deprecated")
                 continue
             value = parse_parameter(name, cmd.args)
-            if name in LIST_PARAMS:
+            if parameter_type(name) is list:
                 mf.parameters.setdefault(name, []).append(value)
             else:
                 mf.parameters[name] = value

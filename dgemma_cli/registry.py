@@ -2,9 +2,12 @@
 security E.
 
 Flow: name -> base URL (mirror override, https unless insecure+loopback) -> SSRF gate -> manifest (4 MiB cap, bearer
-token challenge) -> config blob (family check before any weights) -> each layer in ranged parts, in parallel, into a
-sparse `-partial` file with per-part JSON sidecars (resumable) -> sha256 verification -> GGUF check -> atomic manifest
-write -> removal of layers the old manifest alone used. Progress objects are yielded exactly as Ollama streams them.
+token challenge) -> config blob (family check before any weights) -> the settings layers (template, system, license,
+params, messages), checked by the functions that check those Modelfile lines at create -> each other layer in ranged
+parts, in parallel, into a sparse `-partial` file with per-part JSON sidecars (resumable) -> sha256 verification ->
+GGUF check -> atomic manifest write -> removal of layers the old manifest alone used. Progress objects are yielded as
+Ollama streams them. A model dgemma refuses (family, split GGUF, a bad layer) is a 400 (`PullRefused`), a registry
+that misbehaves a 502 (`RegistryError`).
 
 Every request goes to an address vetted by the SSRF gate (connecting to the vetted IP, so a second DNS answer cannot
 rebind it); redirects are followed by hand, each hop vetted, and `Authorization` is never sent to another host.
@@ -34,11 +37,18 @@ from dgemma_cli import env
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gguf_check import check_diffusion_gguf
 from dgemma_cli.hosts import is_loopback_host
+from dgemma_cli.modelfile import check_messages, check_parameters, check_requires, check_template, quote
 from dgemma_cli.names import ModelName
 from dgemma_cli.store import (
     MANIFEST_MEDIA_TYPE,
     MAX_MANIFEST_BYTES,
+    MAX_TEXT_LAYER_BYTES,
+    MEDIA_LICENSE,
+    MEDIA_MESSAGES,
     MEDIA_MODEL,
+    MEDIA_PARAMS,
+    MEDIA_SYSTEM,
+    MEDIA_TEMPLATE,
     Layer,
     Manifest,
     Store,
@@ -68,6 +78,12 @@ class RegistryError(PullError):
 
 
 class BlockedHostError(PullError):
+    status = 400
+
+
+class PullRefused(PullError):
+    """The registry answered, but with a model dgemma refuses (its manifest, family or layers): nothing is stored."""
+
     status = 400
 
 
@@ -722,7 +738,9 @@ def _fetch_config(client: RegistryClient, store: Store, layer: Layer) -> dict[st
     family = config.get("model_family")
     families = config.get("model_families") or []
     if family and family != ARCH and ARCH not in families:
-        raise PullError(f'model family "{family}" is not supported by dgemma')
+        raise PullRefused(f'model family "{family}" is not supported by dgemma')
+    if config.get("requires") is not None:
+        _checked_layer("config", lambda: check_requires(config["requires"]))
     return config
 
 
@@ -730,11 +748,72 @@ def _check_manifest_shape(manifest: Manifest) -> Layer:
     models = [layer for layer in manifest.layers if layer.media_type == MEDIA_MODEL]
     if len(models) != 1:
         if len(models) > 1:
-            raise PullError("split GGUF models (more than one model layer) are not supported")
-        raise PullError("invalid manifest: no model layer")
+            raise PullRefused("split GGUF models (more than one model layer) are not supported")
+        raise PullRefused("invalid manifest: no model layer")
     if len({layer.digest for layer in manifest.layers}) != len(manifest.layers):
-        raise PullError("invalid manifest: repeated layer digest")
+        raise PullRefused("invalid manifest: repeated layer digest")
+    for layer in manifest.layers:
+        if layer.media_type in TEXT_LAYERS and layer.size > MAX_TEXT_LAYER_BYTES:
+            what = TEXT_LAYERS[layer.media_type]
+            raise PullRefused(f"invalid {what} layer: larger than {MAX_TEXT_LAYER_BYTES} bytes")
     return models[0]
+
+
+# The small layers a model's settings live in, by what errors call them; each is checked as create checks the same
+# Modelfile line, before the weights are downloaded.
+TEXT_LAYERS = {MEDIA_TEMPLATE: "template", MEDIA_SYSTEM: "system", MEDIA_LICENSE: "license", MEDIA_PARAMS: "params",
+               MEDIA_MESSAGES: "messages"}
+
+
+def _checked_layer(what: str, check: Callable[[], Any]) -> None:
+    try:
+        check()
+    except DgemmaError as exc:
+        raise PullRefused(f"invalid {what} layer: {exc}"[:300]) from None
+
+
+def _json_layer(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise DgemmaError("not valid JSON") from None
+
+
+def check_text_layer(media_type: str, text: str) -> None:
+    """A downloaded template/system/license/params/messages layer, by the functions that check the Modelfile's
+    TEMPLATE, SYSTEM, LICENSE, PARAMETER and MESSAGE lines at create: PullRefused (400) naming the problem."""
+    what = TEXT_LAYERS[media_type]
+    if media_type == MEDIA_TEMPLATE:
+        _checked_layer(what, lambda: check_template(text))
+    elif media_type == MEDIA_PARAMS:
+        _checked_layer(what, lambda: check_parameters(_json_layer(text)))
+    elif media_type == MEDIA_MESSAGES:
+        _checked_layer(what, lambda: check_messages(_json_layer(text)))
+    else:
+        _checked_layer(what, lambda: quote(text))
+
+
+def _download(store: Store, client: RegistryClient, layer: Layer, options: PullOptions,
+              cancelled: Callable[[], bool]) -> Iterator[dict[str, Any]]:
+    """One layer into the store (joining a running transfer of the same digest), with its progress objects."""
+    if store.has_blob(layer.digest):
+        yield _progress(layer, layer.size)
+        return
+    transfer = _join_transfer(store, client, layer, options)
+    try:
+        last = -1
+        yield _progress(layer, transfer.completed)
+        while not transfer.done.wait(options.progress_interval):
+            if cancelled():
+                raise PullCancelled()
+            if transfer.completed != last:
+                last = transfer.completed
+                yield _progress(layer, last)
+        if transfer.error is not None:
+            raise transfer.error
+        yield _progress(layer, layer.size)
+    finally:
+        _leave_transfer(transfer)
 
 
 def pull(name: ModelName | str, store: Store, insecure: bool = False, cancel: Any = None,
@@ -762,7 +841,11 @@ def _pull(model_name: ModelName, store: Store, client: RegistryClient, options: 
     model_layer = _check_manifest_shape(manifest)
 
     yield _progress(manifest.config, 0)
-    _fetch_config(client, store, manifest.config)
+    try:
+        _fetch_config(client, store, manifest.config)
+    except PullRefused:
+        store.remove_unreferenced([manifest.config.digest])
+        raise
     yield _progress(manifest.config, manifest.config.size)
 
     store.ensure_dirs()
@@ -772,25 +855,20 @@ def _pull(model_name: ModelName, store: Store, client: RegistryClient, options: 
     if needed and free < needed + options.free_disk_margin:
         raise PullError(f"insufficient disk space: need {needed + options.free_disk_margin} bytes, {free} free")
 
+    # the settings layers first: a model whose messages, params or template create would refuse is refused before
+    # its weights are downloaded, and leaves nothing behind
+    small = [layer for layer in manifest.layers if layer.media_type in TEXT_LAYERS]
+    for layer in small:
+        yield from _download(store, client, layer, options, cancelled)
+    try:
+        for layer in small:
+            check_text_layer(layer.media_type, store.read_blob_text(layer.digest))
+    except PullRefused:
+        store.remove_unreferenced([manifest.config.digest, *(layer.digest for layer in small)])
+        raise
     for layer in manifest.layers:
-        if store.has_blob(layer.digest):
-            yield _progress(layer, layer.size)
-            continue
-        transfer = _join_transfer(store, client, layer, options)
-        try:
-            last = -1
-            yield _progress(layer, transfer.completed)
-            while not transfer.done.wait(options.progress_interval):
-                if cancelled():
-                    raise PullCancelled()
-                if transfer.completed != last:
-                    last = transfer.completed
-                    yield _progress(layer, last)
-            if transfer.error is not None:
-                raise transfer.error
-            yield _progress(layer, layer.size)
-        finally:
-            _leave_transfer(transfer)
+        if layer.media_type not in TEXT_LAYERS:
+            yield from _download(store, client, layer, options, cancelled)
     # Each transfer hashed its file before moving it into place; a pull that joined another's transfer
     # relies on that, so here we only confirm every layer is present.
     yield {"status": "verifying sha256 digest"}

@@ -6,13 +6,19 @@ GGUF defaults, the server's `options` typing and range check, Modelfile PARAMETE
 engine (a `SamplerParams` field the sampler reads; `task_tries` is read by the server's task layer instead); see
 docs/generation.md.
 
+The other options (load-time knobs such as `num_thread` and `num_ctx`, generation knobs such as `num_predict`, and the
+Ollama ones the diffusion sampler ignores) have one row each in `OPTION_SETTINGS`: name, type and range. Request
+options, REST create `parameters`, Modelfile PARAMETERs and pulled params layers are all typed and checked from
+these two tables.
+
 Pure Python on purpose: the converter imports it without the native engine.
 """
 from __future__ import annotations
 
 import numbers
+import os
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from dgemma_engine.errors import EngineError
 
@@ -182,6 +188,94 @@ def _shown(value: float, limits: Limits) -> str:
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return str(value)
+
+
+# ---- the other options: load-time and generation knobs ------------------------------------------------------------
+# One row per request option / Modelfile PARAMETER that is not a sampler setting: its type and its range, checked at
+# create (REST `parameters`, Modelfile PARAMETERs), at pull (a params layer) and per request (docs/compat.md#options-
+# typing). Ranges are inclusive; `None` leaves the type's own range (int64, float32).
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # options are int64 and float32, as in Ollama
+FLOAT32_MAX = 3.4028234663852886e38
+
+THREADS_PER_CORE = 4  # beyond 4x the cores, threads only slow every answer (128 on a small box: 0.3 s -> 17 s)
+# The soft embedding sums one slice per thread, two graph nodes each, inside the decoder graph's fixed base of 1024
+# nodes: 1000 threads overflowed it (GGML_ASSERT n_nodes < size) and aborted the process.
+MAX_THREADS = 256
+MAX_CONTEXT = 1 << 20  # num_ctx: tokens (the model's trained length caps what is allocated)
+MAX_BATCH = 1 << 20
+MAX_LAYERS = 1 << 16   # num_gpu / num_cpu_moe count layers; clients send 999 for "all of them"
+MAX_DEVICE_INDEX = 255
+MAX_PARALLEL = 64      # num_parallel: each generation slot holds a K/V context
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def max_threads() -> int:
+    """num_thread's upper bound on this machine: THREADS_PER_CORE x the usable cores, at most MAX_THREADS."""
+    return min(THREADS_PER_CORE * usable_cores(), MAX_THREADS)
+
+
+@dataclass(frozen=True)
+class OptionSetting:
+    name: str            # request option = Modelfile PARAMETER name
+    type: type           # int, float, bool, or list (of strings)
+    use: str             # "load": read when the model loads; "generation"; "ignored": typed, then unused
+    low: int | float | None = None  # inclusive; None: the type's own bound
+    high: int | float | Callable[[], int] | None = None  # a number, or computed on the machine that checks
+    request: bool = True  # False: a Modelfile PARAMETER only (a request option of that name is unknown, ignored)
+
+    def bounds(self) -> tuple[int | float | None, int | float | None]:
+        return self.low, self.high() if callable(self.high) else self.high
+
+
+_IGNORED_INTS = ("top_k", "repeat_last_n", "num_keep", "draft_num_predict")
+_IGNORED_FLOATS = ("top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
+
+OPTION_SETTINGS: tuple[OptionSetting, ...] = (
+    OptionSetting("num_ctx", int, "load", 1, MAX_CONTEXT),
+    OptionSetting("num_batch", int, "load", 1, MAX_BATCH),  # a hint: the engine sizes its own batches
+    OptionSetting("num_gpu", int, "load", -1, MAX_LAYERS),  # -1: as many layers as fit, 0: CPU only
+    OptionSetting("main_gpu", int, "load", 0, MAX_DEVICE_INDEX),  # a hint, unused
+    OptionSetting("num_thread", int, "load", 0, max_threads),  # 0: the engine's default (the core count)
+    OptionSetting("use_mmap", bool, "load"),
+    OptionSetting("num_cpu_moe", int, "load", 0, MAX_LAYERS),
+    OptionSetting("num_parallel", int, "load", 1, MAX_PARALLEL, request=False),
+    OptionSetting("num_predict", int, "generation"),  # < 1: until EOS (still capped by the context)
+    OptionSetting("seed", int, "generation"),  # -1: random
+    OptionSetting("temperature", float, "generation"),  # only 0 (greedy) means something to the diffusion sampler
+    OptionSetting("stop", list, "generation"),
+    *(OptionSetting(name, int, "ignored") for name in _IGNORED_INTS),
+    *(OptionSetting(name, float, "ignored") for name in _IGNORED_FLOATS),
+    OptionSetting("diffusion_progress", bool, "generation"),
+    OptionSetting("diffusion_preview", bool, "generation"),
+)
+
+
+def option_setting(name: str) -> OptionSetting | None:
+    return next((o for o in OPTION_SETTINGS if o.name == name), None)
+
+
+def check_option(name: str, value: Any) -> None:
+    """Raise SettingError when a typed option value is outside its row's range, e.g.
+    `invalid value for num_thread: 1000 (must be between 0 and 8)`. Sampler settings: check_values."""
+    row = option_setting(name)
+    if row is None or row.type not in (int, float):
+        return
+    low, high = row.bounds()
+    if (low is None or value >= low) and (high is None or value <= high):
+        return
+    if low is not None and high is not None:
+        rule = f"must be between {low} and {high}"
+    else:
+        rule = f"must be at least {low}" if low is not None else f"must be at most {high}"
+    raise SettingError(f"invalid value for {name}: {value} ({rule})")
 
 
 # ---- the resolved settings ----------------------------------------------------------------------------------------

@@ -8,8 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dgemma_cli.modelfile import (
+    Modelfile,
     ModelfileError,
     check_parameter_ranges,
+    checked_modelfile,
     format_modelfile,
     parse_commands,
     parse_modelfile,
@@ -192,3 +194,48 @@ def test_presets_parse_and_pass_range_checks():
     assert by_name["careful"].parameters["diffusion_steps"] > 48
     assert by_name["careful"].parameters["diffusion_confidence_threshold"] < 0.005
     assert by_name["creative"].parameters["diffusion_t_max"] > 0.8
+
+
+# ---- REST create and Modelfiles share one validator (issue 36, item 14) -------------------------------------------
+
+_PRINTABLE = st.text(st.characters(blacklist_categories=("Cc", "Cs", "Zl", "Zp", "Zs", "Cf", "Co", "Cn"),
+                                   whitelist_characters=" \n\t"), max_size=12)
+_JSON_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 3000), st.floats(-2, 2, allow_nan=False),
+                         _PRINTABLE, st.lists(_PRINTABLE, max_size=2))
+
+
+@st.composite
+def create_requests(draw):
+    """What a REST create may send for the settings a Modelfile also holds (some of it invalid)."""
+    messages = draw(st.lists(st.one_of(
+        st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "wizard", "tool"]),
+                               "content": st.one_of(_PRINTABLE, st.integers(0, 3))}),
+        st.just({"role": "user"}), st.integers(0, 3)), max_size=3))
+    names = st.sampled_from(["num_thread", "num_ctx", "num_gpu", "num_parallel", "temperature", "stop", "seed",
+                             "use_mmap", "diffusion_steps", "diffusion_t_min", "mirostat", "tfs_z"])
+    parameters = draw(st.dictionaries(names, _JSON_VALUES, max_size=4))
+    requires = draw(st.sampled_from([None, "0.14.0", "v1.2.3-rc.1", "1.x", "1.2.3-" + "a" * 80]))
+    return Modelfile(froms=["m"], system=draw(st.one_of(st.none(), _PRINTABLE)), messages=messages,
+                           parameters=parameters, requires=requires, licenses=draw(st.lists(_PRINTABLE, max_size=2)))
+
+
+@given(create_requests())
+@settings(max_examples=300, deadline=None)
+def test_what_create_accepts_prints_a_modelfile_create_accepts_again(request):
+    from dgemma_cli.errors import DgemmaError
+
+    try:
+        checked = checked_modelfile(request)
+    except DgemmaError:
+        return  # refused at the first door, with one line (the REST tests check the status)
+    again = checked_modelfile(parse_modelfile(format_modelfile(checked)))
+    assert (again.parameters, again.messages, again.system, again.licenses) == (
+        checked.parameters, checked.messages, checked.system, checked.licenses)
+
+
+def test_requires_is_one_rule_for_modelfiles_and_requests():
+    assert parse_modelfile("FROM m\nREQUIRES v0.14.0\n").requires == "v0.14.0"
+    with pytest.raises(ModelfileError, match=r"^requires must be a valid semver \(e.g. 0.14.0\)$"):
+        parse_modelfile("FROM m\nREQUIRES 1.2.3-" + "a" * 100 + "\n")
+    with pytest.raises(ModelfileError, match="requires must be a valid semver"):
+        checked_modelfile(Modelfile(froms=["m"], requires="x" * 10_000))

@@ -9,7 +9,8 @@ import pytest
 
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.registry import PullOptions, pull
-from dgemma_cli.store import MEDIA_LICENSE, MEDIA_MODEL, MEDIA_PARAMS, Store
+from dgemma_cli.store import (MEDIA_LICENSE, MEDIA_MESSAGES, MEDIA_MODEL, MEDIA_PARAMS, MEDIA_SYSTEM, MEDIA_TEMPLATE,
+                              Store)
 from registry_server import digest_of
 from store_helpers import tiny_gguf_bytes
 
@@ -351,3 +352,78 @@ def test_one_puller_leaving_does_not_cancel_a_shared_download(registry, gguf_blo
     assert store.blob_path(digest).read_bytes() == gguf_blob
     ranges = [r.range for r in registry.requests_for(digest)]
     assert len(ranges) == len(set(ranges))  # nothing was downloaded twice
+
+
+# ---- pulled layers are checked as strictly as the Modelfile lines they stand for (issue 36, item 9) ---------------
+
+HOSTILE_LAYERS = {
+    "messages": (MEDIA_MESSAGES, json.dumps([1, "x", {"role": "wizard"}]).encode(),
+                 'invalid messages layer: messages[0]: a message is an object with "role" and "content"'),
+    "wizard": (MEDIA_MESSAGES, json.dumps([{"role": "wizard", "content": "x"}]).encode(),
+               'invalid messages layer: messages[0]: message role must be one of "system", "user", or "assistant"'),
+    "messages not JSON": (MEDIA_MESSAGES, b"[{", "invalid messages layer: not valid JSON"),
+    "threads": (MEDIA_PARAMS, json.dumps({"num_thread": 1000}).encode(),
+                "invalid params layer: invalid value for num_thread: 1000 (must be between 0 and "),
+    "params type": (MEDIA_PARAMS, json.dumps({"num_ctx": "big"}).encode(),
+                    'invalid params layer: option "num_ctx" must be of type integer'),
+    "params list": (MEDIA_PARAMS, b"[1]", "invalid params layer: parameters must be an object"),
+    "unknown param": (MEDIA_PARAMS, b'{"tfs_z": 1}', "invalid params layer: unknown parameter 'tfs_z'"),
+    "sampler range": (MEDIA_PARAMS, b'{"diffusion_steps": 0}',
+                      "invalid params layer: invalid value for diffusion_steps: 0 (must be between 1 and "),
+    "template quotes": (MEDIA_TEMPLATE, b'say """ twice', "invalid template layer: value may not contain '\"\"\"'"),
+    "jinja template": (MEDIA_TEMPLATE, b"{% for m in messages %}{{ m.content }",
+                       "invalid template layer: template error: "),
+    "system quotes": (MEDIA_SYSTEM, b'"""', "invalid system layer: value may not contain '\"\"\"'"),
+    "license quotes": (MEDIA_LICENSE, b'a """ b', "invalid license layer: value may not contain '\"\"\"'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_LAYERS))
+def test_a_hostile_settings_layer_is_a_400_before_the_weights(registry, gguf_blob, tmp_path, case):
+    media_type, data, message = HOSTILE_LAYERS[case]
+    registry.add_model("library/bad:latest", [(MEDIA_MODEL, gguf_blob), (MEDIA_LICENSE, b"MIT"), (media_type, data)])
+    store = Store(tmp_path / "store")
+    with pytest.raises(DgemmaError) as exc:
+        run_pull(f"{registry.host}/library/bad:latest", store)
+    assert exc.value.status == 400 and str(exc.value).startswith(message), str(exc.value)
+    assert not registry.requests_for(digest_of(gguf_blob))  # refused before any weights were fetched
+    assert not store.list_models() and not list(store.blobs_dir.iterdir())  # and nothing left behind
+
+
+def test_a_config_requires_that_is_not_semver_is_refused(registry, gguf_blob, tmp_path):
+    config = {"model_format": "gguf", "model_family": "diffusion-gemma", "requires": "x" * 10_000}
+    registry.add_model("library/bad:latest", [(MEDIA_MODEL, gguf_blob)], config=config)
+    store = Store(tmp_path / "store")
+    with pytest.raises(DgemmaError) as exc:
+        run_pull(f"{registry.host}/library/bad:latest", store)
+    assert (exc.value.status, str(exc.value)) == (400, "invalid config layer: requires must be a valid semver "
+                                                       "(e.g. 0.14.0)")
+    assert not registry.requests_for(digest_of(gguf_blob)) and not list(store.blobs_dir.iterdir())
+
+
+def test_refused_manifests_are_400_with_their_reason(registry, gguf_blob, tmp_path):
+    store = Store(tmp_path / "store")
+    registry.add_model("library/split:latest", [(MEDIA_MODEL, gguf_blob), (MEDIA_MODEL, gguf_blob + b"x")])
+    raw = json.loads(registry.add_model("library/rep:latest", [(MEDIA_MODEL, gguf_blob), (MEDIA_PARAMS, b"{}")]))
+    raw["layers"].append(dict(raw["layers"][1]))
+    registry.set_manifest("library", "rep", "latest", json.dumps(raw).encode())
+    registry.add_model("library/llama:latest", [(MEDIA_MODEL, gguf_blob)], config={"model_family": "llama"})
+    for model, message in (("split", "split GGUF models (more than one model layer) are not supported"),
+                           ("rep", "invalid manifest: repeated layer digest"),
+                           ("llama", 'model family "llama" is not supported by dgemma')):
+        with pytest.raises(DgemmaError) as exc:
+            run_pull(f"{registry.host}/library/{model}:latest", store)
+        assert (exc.value.status, str(exc.value)) == (400, message)
+    assert not store.list_models() and not list(store.blobs_dir.iterdir())  # the refused config blob went too
+
+
+def test_valid_settings_layers_are_stored_as_received(registry, gguf_blob, tmp_path):
+    params = b'{"num_thread": 2, "stop": ["<end>"], "temperature": 0.5, "mirostat": 1}'
+    messages = b'[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]'
+    registry.add_model("library/ok:latest", [(MEDIA_MODEL, gguf_blob), (MEDIA_TEMPLATE, b"{{ .Prompt }}"),
+                                             (MEDIA_PARAMS, params), (MEDIA_MESSAGES, messages)])
+    store = Store(tmp_path / "store")
+    assert run_pull(f"{registry.host}/library/ok:latest", store)[-1] == {"status": "success"}
+    local = store.resolve(f"{registry.host}/library/ok:latest")
+    assert local.parameters["num_thread"] == 2 and local.messages[1] == {"role": "assistant", "content": "Hello"}
+    assert store.blob_path(digest_of(params)).read_bytes() == params  # verbatim: the digest is the registry's

@@ -135,7 +135,7 @@ def test_options_are_decoded_once_into_one_record():
     assert (decoded.sampler.num_predict, decoded.sampler.max_steps) == (20, 48)
     assert server_options.decode_options(None, None, {"diffusion.eb_max_steps": 12}, 4096, 256).sampler.max_steps == 12
     assert server_options.decode_options(None, None, {}, 4096, 256).num_ctx == 4096
-    with pytest.raises(RequestError, match=r"^invalid value for num_ctx: 0 \(must be at least 1\)$"):
+    with pytest.raises(RequestError, match=r"^invalid value for num_ctx: 0 \(must be between 1 and 1048576\)$"):
         server_options.decode_options(None, {"num_ctx": 0}, {}, 4096, 256)
 
 

@@ -12,86 +12,82 @@ that record to the runner; nothing downstream reads the options dict again.
 import asyncio
 import functools
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dgemma_cli.errors import out_of_range
+from dgemma_cli.errors import DgemmaError
+from dgemma_cli.modelfile import parameter_type, type_word, typed_parameters, typed_value
 from dgemma_cli.server.config import ServerConfig
 from dgemma_cli.server.errors import RequestError
-from dgemma_cli.server.validation import INT64_MAX, INT64_MIN, check_float32
 from dgemma_engine import settings
 from dgemma_engine.settings import SamplerParams, setting_for_option
 
 log = logging.getLogger("dgemma.server")
 
-_INT = "integer"
-_FLOAT = "float32"
-_BOOL = "boolean"
-_ARRAY = "array"
-
-OPTION_TYPES: dict[str, str] = {
-    # load-time
-    "num_ctx": _INT, "num_batch": _INT, "num_gpu": _INT, "main_gpu": _INT, "num_thread": _INT, "use_mmap": _BOOL,
-    "num_cpu_moe": _INT,
-    # generation
-    "num_predict": _INT, "seed": _INT, "temperature": _FLOAT, "stop": _ARRAY,
-    # accepted and type-checked, then ignored by the diffusion sampler
-    "top_k": _INT, "top_p": _FLOAT, "min_p": _FLOAT, "typical_p": _FLOAT, "repeat_penalty": _FLOAT,
-    "repeat_last_n": _INT, "presence_penalty": _FLOAT, "frequency_penalty": _FLOAT, "num_keep": _INT,
-    "draft_num_predict": _INT,
-    # diffusion request flags; the sampler settings' own types come from dgemma_engine.settings
-    "diffusion_progress": _BOOL, "diffusion_preview": _BOOL,
-}
-
 
 def option_type(name: str) -> str | None:
-    """The JSON type a known option must have (None: an unknown option)."""
-    setting = setting_for_option(name)
-    if setting is not None:
-        return _INT if setting.type is int else _FLOAT
-    return OPTION_TYPES.get(name)
-
-
-def _typed(name: str, value: Any, kind: str) -> Any:
-    """`value` converted to the option's type, or the 400 of docs/compat.md#options-typing."""
-    if not _has_type(value, kind):
-        raise RequestError(f'option "{name}" must be of type {kind}')
-    if kind == _BOOL:
-        return value
-    if kind == _ARRAY:
-        return list(value)
-    if kind == _INT:
-        value = int(value)
-    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:  # also from Modelfile PARAMETERs
-        raise out_of_range(name)
-    return value if kind == _INT else check_float32(name, float(value))
-
-
-def _has_type(value: Any, kind: str) -> bool:
-    if kind == _BOOL:
-        return isinstance(value, bool)
-    if kind == _ARRAY:
-        return isinstance(value, list) and all(isinstance(item, str) for item in value)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    if isinstance(value, float) and not math.isfinite(value):
-        return False
-    return kind != _INT or not isinstance(value, float) or value.is_integer()
+    """The JSON type a known request option must have (None: an unknown option). Types and ranges come from
+    dgemma_engine.settings (the sampler table and the options table); `num_parallel` is a PARAMETER only."""
+    if setting_for_option(name) is None:
+        row = settings.option_setting(name)
+        if row is None or not row.request:
+            return None
+    kind = parameter_type(name)
+    return type_word(kind) if kind is not None else None
 
 
 def check_options(options: dict[str, Any] | None) -> dict[str, Any]:
-    """Known options typed; unknown ones dropped (logged at debug). `None` values mean absent."""
+    """Known options typed and, outside the sampler settings (resolve_sampler checks those merged over the model's
+    defaults), range-checked; unknown ones dropped (logged at debug). `None` values mean absent."""
     checked: dict[str, Any] = {}
     for name, value in (options or {}).items():
-        kind = option_type(name)
-        if kind is None:
+        if option_type(name) is None:
             log.debug("ignoring unknown option %r", name)
             continue
         if value is None:
             continue
-        checked[name] = _typed(name, value, kind)
+        checked[name] = _typed(name, value)
     return checked
+
+
+def _typed(name: str, value: Any) -> Any:
+    try:
+        value = typed_value(name, value)
+        settings.check_option(name, value)
+    except (settings.SettingError, DgemmaError) as exc:
+        raise RequestError(str(exc)) from None
+    return value
+
+
+def stored_parameters(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """A stored model's PARAMETERs as a request reads them: typed, and outside the sampler settings range-checked,
+    so a model stored before a range existed (or pulled unchecked) is a 400 naming the value, never a load that
+    aborts the process. Unknown names are dropped, as request options are."""
+    try:
+        typed = typed_parameters(parameters or {}, unknown="drop")
+        for name, value in typed.items():
+            settings.check_option(name, value)
+    except (settings.SettingError, DgemmaError) as exc:
+        raise RequestError(f"the model's parameters are invalid: {exc}") from None
+    return typed
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What the runner loads a model with, from its (checked) PARAMETERs: None means the engine's default."""
+
+    threads: int | None = None
+    num_gpu: int | None = None
+    num_cpu_moe: int = 0
+
+
+def load_options(parameters: dict[str, Any] | None) -> LoadOptions:
+    """The load-time PARAMETERs a runner reads (num_thread: Ollama's meaning, 0 the default; num_gpu, num_cpu_moe:
+    placement), checked against the options table again: the runner never passes an unchecked count to the
+    engine."""
+    checked = stored_parameters(parameters)
+    threads = checked.get("num_thread") or None
+    return LoadOptions(threads, checked.get("num_gpu"), checked.get("num_cpu_moe", 0))
 
 
 # `temperature: 0` is argmax at every step (docs/server.md): greedy draws, and a fixed seed for the canvas's initial
@@ -154,11 +150,9 @@ def decode_options(parameters: dict[str, Any] | None, request_options: dict[str,
                    metadata: dict[str, Any], context_length: int, max_steps_cap: int) -> RequestOptions:
     """Modelfile `parameters`, then the request's options on top, typed (docs/compat.md#options-typing) and resolved
     over the model's GGUF `metadata`; `context_length` is num_ctx when neither sets it."""
-    options = check_options(parameters)
+    options = {name: value for name, value in stored_parameters(parameters).items() if option_type(name) is not None}
     options.update(check_options(request_options))
-    num_ctx = int(options.get("num_ctx", context_length))
-    if num_ctx < 1:
-        raise RequestError(f"invalid value for num_ctx: {num_ctx} (must be at least 1)")
+    num_ctx = int(options.get("num_ctx", context_length))  # a given one is within the options table's range
     placement = {name: options[name] for name in PLACEMENT_OPTIONS if name in options}
     return RequestOptions(resolve_sampler(options, metadata, max_steps_cap), num_ctx, placement)
 

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from dgemma_engine.arch import ARCH
 
 from dgemma_cli.server.errors import RequestError
-from dgemma_cli.server.options import SamplerSettings
+from dgemma_cli.server.options import SamplerSettings, load_options
 from dgemma_cli.server.request_images import encode_images
 from dgemma_engine import gguf_keys
 from dgemma_engine.chat.templates import render_prompt, select_template, tool_format_of
@@ -68,22 +68,20 @@ class EngineRunner:
         from dgemma_engine.model import Model
         from dgemma_engine.tokenizer import Tokenizer
 
-        parameters = getattr(local_model, "parameters", None) or {}
-        if threads is None:  # a Modelfile's `PARAMETER num_thread N` (Ollama's meaning); None: the engine's default
-            num_thread = parameters.get("num_thread")
-            threads = int(num_thread) if isinstance(num_thread, int) and num_thread > 0 else None
+        # a Modelfile's `PARAMETER num_thread N` (Ollama's meaning) and the placement (docs/engine.md#devices:
+        # PARAMETERs or request options, as llama.cpp's -ngl and --n-cpu-moe), range-checked again here: a stored
+        # value outside the options table is a 400, never an engine abort
+        load = load_options(getattr(local_model, "parameters", None))
+        if threads is None:
+            threads = load.threads
         self.threads = threads
         self._lock = threading.Lock()
         self._contexts: list[Any] = []
-        # placement (docs/engine.md#devices): PARAMETERs or request options, as llama.cpp's -ngl and --n-cpu-moe
-        num_gpu = parameters.get("num_gpu")
-        num_cpu_moe = parameters.get("num_cpu_moe")
         # the manifest's LoRA layers, in order, each at scale 1 (docs/gguf.md#lora-adapters)
         adapters = [(str(path), 1.0) for path in getattr(local_model, "adapters", None) or []]
         self.model = Model.load(str(local_model.gguf_path), threads=threads,
                                 name=f"model '{local_model.name}'" if getattr(local_model, "name", None) else None,
-                                num_gpu=int(num_gpu) if isinstance(num_gpu, int) else None,
-                                num_cpu_moe=int(num_cpu_moe) if isinstance(num_cpu_moe, int) else 0,
+                                num_gpu=load.num_gpu, num_cpu_moe=load.num_cpu_moe,
                                 adapters=adapters)
         try:
             hparams = self.model.hparams
