@@ -164,12 +164,14 @@ def _one_line_within(error: BaseException, started: float, seconds: float = 3.0)
     return message
 
 
-@pytest.mark.parametrize("kind,template", [("go", "{{ .Prompt }}" + "x" * 30_000_000),
-                                           ("jinja", "{% for m in messages %}{{ m.content }}{% endfor %}" + "x" * 30_000_000)])
+@pytest.mark.parametrize("kind,template", [
+    ("go", "{{ .Prompt }}" + "x" * 30_000_000),
+    ("jinja", "{% for m in messages %}{{ m.content }}{% endfor %}" + "x" * 30_000_000),
+])
 def test_a_template_over_the_size_limit_is_refused_before_it_is_parsed(kind: str, template: str) -> None:
     expected = f"chat template is {len(template)} characters long (at most {MAX_TEMPLATE_CHARS})"
-    for attempt in (lambda: check_template_source(template),
-                    lambda: gotemplate.render_messages(template, CHAT) if kind == "go" else render_chat(template, CHAT)):
+    render = gotemplate.render_messages if kind == "go" else render_chat
+    for attempt in (lambda: check_template_source(template), lambda: render(template, CHAT)):
         start = time.monotonic()
         with pytest.raises(ChatTemplateBudgetError) as info:
             attempt()

@@ -2,9 +2,10 @@
 
 Templates come from model files and Modelfiles, i.e. from strangers, so they run in jinja2's
 `ImmutableSandboxedEnvironment` (no attribute walking to Python internals, no mutation of inputs) within the size and
-nesting limits of budget.py, with a time, size and output budget per render that no data-dependent branch can escape. The helpers HF templates expect are provided with HF's
-semantics: `raise_exception`, `tojson` (no HTML escaping, ensure_ascii off), `strftime_now`, `namespace` (no
-underscore names), `dict`, loop controls and the `{% generation %}` block. Inputs are copied into plain JSON values.
+nesting limits of budget.py, with a time, size and output budget per render that no data-dependent branch can
+escape. The helpers HF templates expect are provided with HF's semantics: `raise_exception`, `tojson` (no HTML
+escaping, ensure_ascii off), `strftime_now`, `namespace` (no underscore names), `dict`, loop controls and the
+`{% generation %}` block. Inputs are copied into plain JSON values.
 """
 from __future__ import annotations
 
