@@ -70,10 +70,9 @@ def serve(
                                       "unauthenticated: loopback or a private network only"),
 ) -> None:
     """Start the REST server (Ollama and OpenAI compatible). Configure it with the environment variables below."""
-    import uvicorn
-
     from dgemma_cli.server.app import create_app
     from dgemma_cli.server.config import ServerConfig
+    from dgemma_cli.server.http_limits import limited_server, raise_open_file_limit
 
     config = ServerConfig.from_env()
     level = logging.DEBUG if config.debug else logging.INFO
@@ -87,13 +86,14 @@ def serve(
     # Generation runs in worker threads; a shorter GIL switch interval lets the event loop answer health, tags and
     # show requests promptly while Python code of the generation loop runs (the default 5 ms adds up under load).
     sys.setswitchinterval(0.001)
+    fd_limit = raise_open_file_limit()  # room for connections; the cap below keeps descriptors for the store
     sock = _bind(config.host.host, config.host.port)
     app = create_app(config)
+    server = limited_server(app, config, log_level="debug" if config.debug else "warning",
+                            access_log=bool(config.debug), timeout_graceful_shutdown=5, lifespan="on")
+    log.info("connections: at most %d open (open-file limit %d), request heads within %g s, bodies pausing at most "
+             "%g s", server.limits.max_connections, fd_limit, config.header_timeout, config.body_timeout)
     log.info("listening on %s (dgemma API, Ollama %s compatible)", config.host.url, config.compat_version)
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="debug" if config.debug else "warning", access_log=bool(config.debug),
-                       timeout_graceful_shutdown=5, lifespan="on")
-    )
     try:
         server.run(sockets=[sock])
     finally:

@@ -179,10 +179,22 @@ SCHEMA_COMPILE_TIMEOUT = Var("DGEMMA_SCHEMA_COMPILE_TIMEOUT", "seconds > 0", 10.
                              "CPU seconds a request's JSON schema may take to compile (then a 400); `format: \"json\"` "
                              "is compiled once per model in the background and waited for, never refused",
                              _positive_seconds, "schema_compile_timeout")
+# Slow and numerous clients (docs/server.md#connections): half-sent requests must neither hold the server nor take
+# every file descriptor.
+HEADER_TIMEOUT = Var("DGEMMA_HEADER_TIMEOUT", "seconds > 0", 10.0, "10",
+                     "seconds a connection has to send a complete request head (then it is closed)",
+                     _positive_seconds, "header_timeout")
+BODY_TIMEOUT = Var("DGEMMA_BODY_TIMEOUT", "seconds > 0", 60.0, "60",
+                   "seconds a request body may pause, and a JSON body may take in all (blob uploads: only the pause)",
+                   _positive_seconds, "body_timeout")
+MAX_CONNECTIONS = Var("DGEMMA_MAX_CONNECTIONS", "integer >= 1", 4096, "4096",
+                      "open connections at most (fewer under a low open-file limit); beyond, the oldest one still "
+                      "waiting for a request head is closed, or the new one gets a 503", _positive_int,
+                      "max_connections")
 
 SERVER = (HOST, MODELS, KEEP_ALIVE, ORIGINS, NUM_PARALLEL, MAX_QUEUE, MAX_LOADED_MODELS, CONTEXT_LENGTH, LOAD_TIMEOUT,
           DEBUG, NOPRUNE, API_KEY, READONLY, ALLOWED_HOSTS, MAX_UPLOAD, MAX_CANVASES, MAX_IMAGES, MAX_STEPS,
-          COMPAT_VERSION, SCHEMA_COMPILE_TIMEOUT)
+          COMPAT_VERSION, SCHEMA_COMPILE_TIMEOUT, HEADER_TIMEOUT, BODY_TIMEOUT, MAX_CONNECTIONS)
 
 # The CLI's and the pull's variables.
 NOHISTORY = Var("DGEMMA_NOHISTORY", "boolean", False, "off", "no `~/.dgemma/history` for the interactive `run`",

@@ -27,11 +27,10 @@ class LocalServer:
 
     def __init__(self, models_dir: str | None = None) -> None:
         """models_dir: serve this store instead of DGEMMA_MODELS' (benchmarks and tests)."""
-        import uvicorn
-
         from dgemma_cli.hosts import HostAddress
         from dgemma_cli.server.app import create_app
         from dgemma_cli.server.config import ServerConfig
+        from dgemma_cli.server.http_limits import limited_server
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
@@ -53,8 +52,8 @@ class LocalServer:
         # (a `run --format json` compiles it on request, as the background compile would). `create` and `pull` are
         # unaffected: they compile it into the store's cache as their last step, so the file is there when they return.
         app = create_app(config, precompile_formats=False)
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="debug" if config.debug else "critical",
-                                                    lifespan="on", timeout_graceful_shutdown=2))
+        self.server = limited_server(app, config, log_level="debug" if config.debug else "critical", lifespan="on",
+                                     timeout_graceful_shutdown=2)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="dgemma-local-server",
                                        daemon=True)
 

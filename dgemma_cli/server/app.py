@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from dgemma_cli import __version__
 from dgemma_cli.errors import DgemmaError
@@ -69,6 +70,8 @@ class InternalErrorMiddleware:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except ClientDisconnect:  # the client left mid-body (an upload, say); nobody is left to answer
+            log.info("client left during the request body of %s", scope.get("path"))
         except Exception as exc:  # noqa: BLE001  (last resort; routes raise DgemmaError for known failures)
             log.error("internal error on %s", scope.get("path"), exc_info=exc)
             if started:

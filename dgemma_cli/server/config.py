@@ -35,6 +35,9 @@ class ServerConfig:
     max_steps: int = env.MAX_STEPS.default
     compat_version: str = env.COMPAT_VERSION.default
     schema_compile_timeout: float = env.SCHEMA_COMPILE_TIMEOUT.default  # CPU seconds
+    header_timeout: float = env.HEADER_TIMEOUT.default  # seconds (http_limits.py)
+    body_timeout: float = env.BODY_TIMEOUT.default  # seconds
+    max_connections: int = env.MAX_CONNECTIONS.default  # lowered under the open-file limit (http_limits.py)
     max_json_body: int = 32 * 2**20
     sources: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)

@@ -176,6 +176,8 @@ class SecurityMiddleware:
             send = _with_headers(send, cors_headers)
         if scope["method"] in ("POST", "PUT", "PATCH", "DELETE") and not path.startswith("/api/blobs/"):
             buffered = await _read_capped_body(receive, self.config.max_json_body)
+            if buffered is _CLIENT_LEFT:  # mid-body (or its body stalled past DGEMMA_BODY_TIMEOUT): nobody to answer
+                return
             if buffered is None:
                 await _send_simple(send, 413, error_body(path, 413, "request body too large"))
                 return
@@ -198,15 +200,18 @@ def _with_headers(send: Send, extra: list[tuple[bytes, bytes]]) -> Send:
     return wrapped
 
 
+_CLIENT_LEFT = b"<client left>"  # a sentinel compared by identity
+
+
 async def _read_capped_body(receive: Receive, cap: int) -> bytes | None:
-    """The whole request body, or None once it exceeds `cap` bytes (JSON bodies are small; docs/compat.md, security
-    G21)."""
+    """The whole request body, None once it exceeds `cap` bytes (JSON bodies are small; docs/compat.md, security
+    G21), or `_CLIENT_LEFT` when the client went away before sending all of it."""
     chunks = []
     size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            break
+            return _CLIENT_LEFT
         body = message.get("body", b"")
         size += len(body)
         if size > cap:
