@@ -5,7 +5,9 @@
 Starts `dgemma serve` as a subprocess on a loopback port (tests/server_harness.py ServeProcess) with the tiny
 fixture model, then sends `cases` requests built from a valid body of every endpoint by one to three random
 mutations (wrong types, huge numbers, surrogates, NULs, deep nesting, long strings, random keys, absurd options, bad
-names and digests, JSON schemas whose compile never ends), plus mutated GGUFs (tests/gguf_mutator.py and random
+names and digests, JSON schemas whose compile never ends), absurd load-time options (num_thread 1000, num_ctx 0, …)
+and settings a Modelfile refuses (role "wizard", a 10,000-character `requires`) at create and per request, which
+must be a 4xx that stores nothing, plus mutated GGUFs (tests/gguf_mutator.py and random
 byte corruption) uploaded with /api/blobs and used by /api/create, and hostile images (tests/image_samples.py) on
 every API. It checks that
 - no answer is a 5xx (nor a streamed `internal server error`), and every request is answered within a deadline;
@@ -102,7 +104,8 @@ DIGESTS = ["sha256:" + "0" * 64, "sha256:" + "g" * 64, "sha256:", "sha256-" + "1
 KNOWN_OPTIONS = ["temperature", "num_predict", "top_p", "min_p", "top_k", "seed", "num_ctx", "stop", "num_thread",
                  "diffusion_steps", "diffusion_t_max", "diffusion_t_min", "diffusion_entropy_bound",
                  "diffusion_confidence_threshold", "diffusion_stability_threshold", "diffusion_progress",
-                 "diffusion_preview", "repeat_penalty", "num_batch", "use_mmap", "mirostat"]
+                 "diffusion_preview", "repeat_penalty", "num_batch", "use_mmap", "mirostat", "num_gpu", "num_cpu_moe",
+                 "main_gpu", "num_parallel"]
 
 
 class Hostile:
@@ -380,6 +383,7 @@ class FuzzReport:
     image_cases: int = 0  # requests built from a body with images (image_requests)
     blobs_checked: int = 0  # blobs the store's manifests reference at the end (check_store)
     template_cases: int = 0  # hostile templates (template_case)
+    load_option_cases: int = 0  # absurd load-time options and Modelfile-refused settings (load_option_case)
     seconds: float = 0.0
     stopped_early: bool = False
 
@@ -390,6 +394,7 @@ class FuzzReport:
                 f"generations in a hostile format: {self.hostile_formats}; with images: {self.image_cases}; "
                 f"referenced blobs checked: {self.blobs_checked}; "
                 f"hostile templates: {self.template_cases}; "
+                f"absurd load-time options and settings: {self.load_option_cases}; "
                 f"failures: {len(self.failures)}" + (" (stopped at the time budget)" if self.stopped_early else ""))
 
 
@@ -565,6 +570,40 @@ def template_case(fuzzer: "Fuzzer", rng: random.Random, case: int) -> None:
         fuzzer.report.failures.append(f"{label}: create stored the model")
 
 
+# ---- absurd load-time options and settings a Modelfile refuses (issue 36) ----------------------------------------
+
+LOAD_OPTION_SHARE = 0.03  # of the cases
+LOAD_OPTION_ANSWER_S = 5.0  # a range check: refused before any model loads
+ABSURD_LOAD_OPTIONS = {"num_thread": [1000, 100_000, 2**31, -1], "num_ctx": [0, -5, 2**40], "num_batch": [0, 2**40],
+                       "num_gpu": [-2, 2**31], "num_cpu_moe": [-1, 2**31], "main_gpu": [-1, 100_000],
+                       "num_parallel": [0, 10**6]}
+REFUSED_SETTINGS = [{"messages": [{"role": "wizard", "content": "x"}]}, {"messages": [{"role": "user", "content": 1}]},
+                    {"requires": "1.2.3-" + "a" * 9994}, {"requires": "x" * 10_000}, {"parameters": {"tfs_z": 1}},
+                    {"parameters": {"stop": ['a"""b']}}]
+
+
+def load_option_case(fuzzer: "Fuzzer", rng: random.Random, case: int) -> None:
+    """An absurd load-time option in /api/create `parameters` or in a request's `options`, or a setting a Modelfile
+    refuses in /api/create: a 4xx within LOAD_OPTION_ANSWER_S, and create stores nothing (a stored num_thread 1000
+    aborted the engine at the next generate)."""
+    name = rng.choice(sorted(ABSURD_LOAD_OPTIONS))
+    option = {name: rng.choice(ABSURD_LOAD_OPTIONS[name])}
+    fuzzer.report.load_option_cases += 1
+    kind = rng.randrange(3)
+    if kind == 0 and name != "num_parallel":  # num_parallel is a PARAMETER only: a request ignores it
+        body = {"model": BASE_MODEL, "prompt": "Hi", "stream": rng.random() < 0.5,
+                "options": {**SMOKE_OPTIONS, **option}}
+        fuzzer.send("POST", "/api/generate", encode(body), f"case {case}: option {option} on /api/generate",
+                    within=LOAD_OPTION_ANSWER_S)
+        return
+    fields = {"parameters": option} if kind != 2 else rng.choice(REFUSED_SETTINGS)
+    body = {"model": "fz-load", "from": BASE_MODEL, "stream": rng.random() < 0.5, **copy.deepcopy(fields)}
+    label = f"case {case}: create with {encode(fields)[:80]!r}"
+    fuzzer.send("POST", "/api/create", encode(body), label, within=LOAD_OPTION_ANSWER_S)
+    if any(m["name"].startswith("fz-load") for m in fuzzer.client.get("/api/tags").json()["models"]):
+        fuzzer.report.failures.append(f"{label}: create stored the model")
+
+
 def convert_fixture(out: Path) -> Path:
     from dgemma_convert import convert
 
@@ -602,6 +641,9 @@ def run(cases: int, seed: int = 1, gguf: Path | None = None, time_budget: float 
                     break
                 if rng.random() < TEMPLATE_SHARE:
                     template_case(fuzzer, rng, case)
+                    continue
+                if rng.random() < LOAD_OPTION_SHARE:
+                    load_option_case(fuzzer, rng, case)
                     continue
                 if rng.random() < gguf_share:
                     fuzzer.gguf_case(rng, gguf, work, gguf_index, mutant_names)
