@@ -1,7 +1,9 @@
-"""Small images made in code for the image tests: valid ones of each format, and hostile ones (a huge PNG header,
-truncated and corrupt files). Shared by test_images.py, the server tests and the fuzzer."""
+"""Small images made in code for the image tests: valid ones of each format, hostile ones (a huge PNG header,
+truncated and corrupt files) and costly ones (a valid PNG of a few hundred kilobytes that takes a second and more to
+decode). Shared by test_images.py, the server tests and the fuzzer."""
 from __future__ import annotations
 
+import functools
 import io
 import struct
 import zlib
@@ -35,6 +37,16 @@ def png_with_header(width: int, height: int, idat: bytes | None = None) -> bytes
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     body = idat if idat is not None else zlib.compress(b"\x00" * 1024)
     return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", body) + _chunk(b"IEND", b"")
+
+
+@functools.cache
+def big_white_png(side: int = 5792) -> bytes:
+    """A valid white `side` x `side` RGB PNG. At 5792 it is 112 KB, just under MAX_IMAGE_PIXELS (33,554,432), and
+    decoding it takes about 1.5 s and 100 MB: sixteen in one request are the decompression-heavy image attack."""
+    row = b"\x00" + b"\xff" * (3 * side)  # filter type 0, then white pixels
+    deflate = zlib.compressobj(9)
+    idat = b"".join(deflate.compress(row) for _ in range(side)) + deflate.flush()
+    return png_with_header(side, side, idat)
 
 
 def jpeg_with_orientation(orientation: int, width: int = 24, height: int = 16) -> bytes:

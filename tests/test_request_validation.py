@@ -172,7 +172,8 @@ def test_huge_prompts_are_refused_before_rendering(fake_server, api, megabytes):
         "openai-completion": ("/v1/completions", {"model": "tiny", "prompt": [text]}),
     }[api]
     response = post(fake_server, path, json.dumps(body))
-    assert_refused(response, f"prompt too long: {len(text)} characters cannot fit a context window of 8192 tokens")
+    # the window the runner loads: num_ctx 8192 capped by the model's trained context (4096)
+    assert_refused(response, f"prompt too long: {len(text)} characters cannot fit a context window of 4096 tokens")
 
 
 def test_truncated_chat_counts_only_what_must_stay(fake_server):

@@ -34,7 +34,7 @@ DATA_URL = "data:image/png;base64," + B64
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("images")
     store = Store(root / "store")
-    gguf = write_tiny_gguf(root / "model.gguf")
+    gguf = write_tiny_gguf(root / "model.gguf", canvas_length=8, context_length=4096)  # as the fake runner's canvas
     add_model(store, "text", gguf)
     add_vision_model(store, "vis", gguf, write_tiny_projector(root / "mmproj.gguf", max_soft_tokens=16))
     behaviour = FakeBehaviour(answer="a cat", steps=1)
@@ -227,19 +227,38 @@ def test_images_that_cannot_fit_num_ctx(server):
     options = {**FAST, "num_ctx": 40}
     message = refused_ollama(srv, behaviour, lambda c: c.generate(model="vis", prompt="x", images=[PNG] * 3,
                                                                    options=options))
-    assert message == ("3 image(s) take up to 54 positions (18 each), more than the context window "
-                       "(40 tokens, num_ctx)")
+    assert message == ("3 images need 54 tokens (18 each), the prompt at least 1 and a diffusion canvas 8 more; "
+                       "the model's context holds 40 tokens (num_ctx)")
+
+
+def test_images_are_checked_against_the_models_context_not_num_ctx(server):
+    """num_ctx beyond the model's trained context (4096 here) is capped when the runner loads, so the check uses
+    the cap: 250 x 18 positions cannot fit 4096 whatever num_ctx says."""
+    srv, behaviour = server
+    answer = httpx.post(f"{srv.url}/api/chat", timeout=30, json={
+        "model": "vis", "stream": False, "options": {**FAST, "num_ctx": 1_000_000},
+        "messages": [{"role": "user", "content": "x", "images": [B64] * 4}]})
+    assert answer.status_code == 200, answer.text  # 4 x 18 fit: the cap does not refuse what fits
+    text = "y" * (64 * 4050)  # at least 4050 tokens, whatever it tokenizes to, and not truncated
+    answer = httpx.post(f"{srv.url}/api/chat", timeout=30, json={
+        "model": "vis", "stream": False, "options": {**FAST, "num_ctx": 1_000_000}, "truncate": False,
+        "messages": [{"role": "user", "content": text, "images": [B64] * 4}]})
+    assert answer.status_code == 400
+    assert answer.json()["error"] == ("4 images need 72 tokens (18 each), the prompt at least 4050 and a diffusion "
+                                      "canvas 8 more; the model's context holds 4096 tokens (num_ctx 1000000, this "
+                                      "model's at most 4096)")
+    assert len(behaviour.last_images) == 1  # only the first reached the runner
 
 
 def test_images_leave_no_room_for_a_canvas(server):
     """Within num_ctx but with no room for the canvas once loaded: still a 400 before the first byte."""
     srv, behaviour = server
     answer = httpx.post(f"{srv.url}/api/generate", json={
-        "model": "vis", "prompt": "x", "images": [B64, B64], "stream": True, "options": {**FAST, "num_ctx": 44}})
+        "model": "vis", "prompt": "x", "images": [B64, B64], "stream": True, "options": {**FAST, "num_ctx": 50}})
     assert answer.status_code == 400
     assert answer.json()["error"].startswith("prompt with 2 image(s) (up to ")
     assert answer.json()["error"].endswith("leaves no room for a diffusion canvas (8 tokens) within the context "
-                                           "window (44 tokens)")
+                                           "window (50 tokens)")
     assert not behaviour.last_images  # never generated without them
     # a chat whose older message carries an image: that message (and its image) may be dropped to fit
     answer = httpx.post(f"{srv.url}/api/chat", json={

@@ -15,7 +15,7 @@ from typing import Any
 
 from dgemma_cli.server.options import SamplerSettings
 from dgemma_cli.server.runner import Runner
-from dgemma_cli.server.prompts import image_room, no_room_error
+from dgemma_cli.server.prompts import image_room, no_room_error, prompt_budget
 from dgemma_cli.wire import Metrics, Progress
 from dgemma_engine.events import CanvasEvent, DoneEvent, StepEvent
 from dgemma_engine.chat.tool_calls import ToolCall, ToolCallFormat, ToolCallStream
@@ -59,10 +59,11 @@ def plan_generation(runner: Runner, prompt_ids: list[int], sampler: SamplerSetti
     (it is never delivered), so the canvases hold one more position: ceil((num_predict + 1) / C). The prompt counts
     each image at its most positions (its marker expands to boi, the soft tokens, eoi)."""
     canvas = runner.canvas_length
-    prompt = len(prompt_ids) + image_room(runner, len(images))
-    room = (runner.context_length - prompt) // canvas
-    if room < 1:
-        raise no_room_error(prompt, canvas, runner.context_length)
+    budget = prompt_budget(runner, len(images))
+    if len(prompt_ids) > budget:
+        raise no_room_error(len(prompt_ids) + image_room(runner, len(images)), canvas, runner.context_length,
+                            len(images))
+    room = 1 + (budget - len(prompt_ids)) // canvas
     limit = sampler.num_predict if sampler.num_predict >= 1 else None
     wanted = math.ceil((limit + int(structured)) / canvas) if limit else max_canvases
     canvases = min(wanted, max_canvases, room)

@@ -19,8 +19,8 @@ from fastapi import Request
 from dgemma_cli.server import answers
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import RequestOptions
-from dgemma_cli.server.prompts import Prompt, prompt_images
-from dgemma_cli.server.request_images import check_image_limits
+from dgemma_cli.server.prompts import Prompt, model_window, prompt_images
+from dgemma_cli.server.request_images import check_decodable
 from dgemma_cli.server.services import ResolvedModel, Services, services
 from dgemma_cli.server.output_format import OutputFormat
 from dgemma_cli.server.streaming import WorkerStream, until_disconnected
@@ -117,9 +117,10 @@ class GenerationRequest:
 
 async def start(request: Request, svc: Services, gen: GenerationRequest) -> WorkerStream:
     """Compile the output format, queue for the model, build the prompt, plan the canvases, start the worker."""
-    gen.prompt.check_size(gen.options.num_ctx)  # text that cannot fit: a 400 before any compile or load
-    images = list(gen.prompt.images)  # decoded and checked by the route (request_images.py)
-    check_image_limits(gen.model, len(images), svc.config.max_images, gen.options.num_ctx)
+    # text and images that cannot fit the context the runner loads: a 400 before any decode, compile or load
+    gen.prompt.check_size(await asyncio.to_thread(model_window, gen.model, gen.options.num_ctx))
+    images = list(gen.prompt.images)  # counted and their headers read by the route (request_images.py)
+    await check_decodable(images)  # then their pixels, once each: a corrupt image is a 400 before queueing
     automaton = None
     if gen.output_format is not None:  # compiled before queueing, so a costly schema never holds the model's slot
         automaton = await until_disconnected(request, compiled_format(svc, gen.model.local, gen.output_format))

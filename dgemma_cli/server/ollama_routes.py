@@ -40,8 +40,8 @@ from dgemma_cli.server.streaming import (
 )
 from dgemma_cli.server.output_format import ollama_format
 from dgemma_cli.server.prompts import GeneratePrompt, chat_prompt
-from dgemma_cli.server.request_images import (RequestImage, check_image_limits, checked_images,
-                                                decoded_message_images, from_base64)
+from dgemma_cli.server.request_images import (RequestImage, check_image_limits, from_base64, read_images,
+                                                read_message_images)
 from dgemma_cli.server.validation import chat_role, check_name_text
 
 log = logging.getLogger("dgemma.server")
@@ -176,7 +176,7 @@ async def chat(req: wire.ChatRequest, request: Request, svc: Services):
             message["images"] = [from_base64(text) for text in message["images"]]
         else:
             message.pop("images", None)
-    await decoded_message_images(model, messages, svc.config.max_images)
+    read_message_images(model, messages, svc.config.max_images)
     if not messages:
         reason = await load_or_unload(request, svc, model, options, keep_alive)
         return JSONResponse(_answer_line(model, True, "", "", True, done_reason=reason))
@@ -187,12 +187,12 @@ async def chat(req: wire.ChatRequest, request: Request, svc: Services):
 
 
 async def _images(svc: Services, model: ResolvedModel, payloads: list[Any]) -> list[RequestImage]:
-    """Ollama's base64 `images`: refused for a text-only model and checked against the count limit before any is
-    decoded, then each decoded once (server/request_images.py)."""
+    """Ollama's base64 `images`: refused for a text-only model and checked against the count limit, then each one's
+    header read; pixels are decoded later, once the request is known to fit (server/request_images.py)."""
     if not payloads:
         return []
-    check_image_limits(model, len(payloads), svc.config.max_images)
-    return await checked_images([from_base64(text) for text in payloads])
+    check_image_limits(model, len(payloads), svc.config.max_images)  # before any base64 is decoded
+    return read_images(model, [from_base64(text) for text in payloads], svc.config.max_images)
 
 
 def _keep_alive(value: Any) -> float | None:

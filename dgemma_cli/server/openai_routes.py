@@ -19,7 +19,7 @@ from dgemma_cli.server.answers import Final, Text
 from dgemma_cli.server.generation import GenerationRequest, admitted, common_checks, start
 from dgemma_cli.server.options import request_options
 from dgemma_cli.server.prompts import ChatPrompt, chat_prompt
-from dgemma_cli.server.request_images import decoded_message_images, from_data_url, url_of
+from dgemma_cli.server.request_images import from_data_url, read_message_images, url_of
 from dgemma_cli.server.routing import CheckedRoute
 from dgemma_cli.server.services import Services, services
 from dgemma_cli.server.streaming import (
@@ -177,7 +177,7 @@ async def chat_completions(req: wire.ChatCompletionRequest, request: Request, sv
         output_format = openai_format(req.response_format.type, schema)
     common_checks(model, req.logprobs, req.top_logprobs)
     messages = _chat_messages(model, req.messages)
-    await decoded_message_images(model, messages, svc.config.max_images)
+    read_message_images(model, messages, svc.config.max_images)
     prompt = chat_prompt(model.local, messages, truncate=req.truncate is not False)
     think = req.reasoning_effort if req.reasoning_effort not in (None, "none") else None
     stream = await _start(request, svc, model, req, prompt, req.max_completion_tokens or req.max_tokens, think,

@@ -1,22 +1,27 @@
 """A request's images, from the wire to the engine (docs/server.md, "Images").
 
 Routes read the payloads (`from_base64`: Ollama's `images`; `from_data_url`: OpenAI's `image_url` and the Responses
-API's `input_image`), with Ollama's wording for what it refuses. `checked_images` then decodes each image once in a
-worker thread, so a corrupt or oversized image is a 400 before the request queues, and checks the request's limits
-against the model (a text-only model, too many images, images that cannot fit `num_ctx`), all before a generation
-slot is taken. The request keeps the encoded bytes, not the pixels: a queued request holds at most its JSON body's
-worth of memory. The runner decodes them again and encodes them with the model's projector (`encode_images`).
+API's `input_image`), with Ollama's wording for what it refuses, and `read_images` / `read_message_images` check what
+costs nothing to check: a text-only model, too many images, and each image's header (its format and size, refusing a
+decompression bomb by its pixel count). No pixel is decoded there. `generation.start` then checks that the images fit
+the context the runner loads (prompts.py, `check_size`) and only then decodes each image once in a worker thread
+(`check_decodable`), so a corrupt image is a 400 before the request queues, and sixteen 5792 x 5792 PNGs that cannot fit
+cost sixteen header reads, not 24 s of decoding. The request keeps the encoded bytes, not the pixels: a queued
+request holds at most its JSON body's worth of memory. The runner decodes them again and encodes them with the
+model's projector (`encode_images`).
 """
 from __future__ import annotations
 
 import asyncio
 import base64
 import binascii
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-from dgemma_engine.images import MAX_IMAGE_BYTES, ImageError, decode_image
+from dgemma_engine.images import MAX_IMAGE_BYTES, ImageError, decode_image, read_header
 
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.server.errors import RequestError
@@ -28,11 +33,13 @@ REMOTE_URL_REFUSED = "image URLs are not currently supported, please use base64 
 
 @dataclass(frozen=True)
 class RequestImage:
-    """One image of a request: its encoded bytes (checked to decode) and its size."""
+    """One image of a request: its encoded bytes and what their header says (its size as stored, before any EXIF
+    rotation). Its pixels are decoded only once the request is known to have room for it (`check_decodable`)."""
 
     data: bytes
     width: int
     height: int
+    format: str = ""
 
     def pixels(self) -> np.ndarray:
         """uint8 RGB [height, width, 3]."""
@@ -77,55 +84,73 @@ def url_of(part: dict, key: str = "image_url") -> Any:
     return value.get("url") if isinstance(value, dict) else value
 
 
-async def checked_images(payloads: list[bytes]) -> list[RequestImage]:
-    """Each payload decoded once (in a thread): a bad image is a 400 naming which one."""
-    return await asyncio.to_thread(lambda: [_checked(i, data) for i, data in enumerate(payloads)])
+def read_images(model: Any, payloads: list[bytes], max_images: int) -> list[RequestImage]:
+    """A request's image payloads, refused for a text-only model and checked against the count limit before any
+    header is read, then each one's header read (a bad one is a 400 naming which)."""
+    check_image_limits(model, len(payloads), max_images)
+    return [_read(i, data) for i, data in enumerate(payloads)]
 
 
-def _checked(index: int, data: bytes) -> RequestImage:
-    try:
-        pixels = decode_image(data)
-    except ImageError as exc:
-        raise RequestError(f"image {index + 1}: {exc}") from None
-    return RequestImage(data, int(pixels.shape[1]), int(pixels.shape[0]))
-
-
-async def decoded_message_images(model: Any, messages: list[dict], max_images: int) -> None:
-    """Each message's `images` (payload bytes, in place) checked against the model and the count limit first, then
-    decoded: `RequestImage`s."""
+def read_message_images(model: Any, messages: list[dict], max_images: int) -> None:
+    """Each message's `images` (payload bytes, in place) as `RequestImage`s (`read_images`, over all messages)."""
     payloads = [data for m in messages for data in m.get("images") or ()]
     if not payloads:
         return
-    check_image_limits(model, len(payloads), max_images)
-    images = iter(await checked_images(payloads))
+    images = iter(read_images(model, payloads, max_images))
     for message in messages:
         if message.get("images"):
             message["images"] = [next(images) for _ in message["images"]]
 
 
-def check_image_limits(model: Any, count: int, max_images: int, num_ctx: int | None = None) -> None:
-    """Before any slot: a text-only model (Ollama's error), too many images, and (given `num_ctx`) images that
-    cannot fit the window. Each image takes at most its projector's soft-token budget plus its begin and end
-    markers."""
+def _read(index: int, data: bytes) -> RequestImage:
+    try:
+        header = read_header(data)
+    except ImageError as exc:
+        raise RequestError(f"image {index + 1}: {exc}") from None
+    return RequestImage(data, header.width, header.height, header.format)
+
+
+async def check_decodable(images: list[RequestImage]) -> None:
+    """Each image decoded once, in a thread, and dropped: a corrupt or truncated one is a 400 naming which. Called
+    after the room check, so only images the request can use are decoded."""
+    def check() -> None:
+        for index, image in enumerate(images):
+            try:
+                decode_image(image.data)
+            except ImageError as exc:
+                raise RequestError(f"image {index + 1}: {exc}") from None
+
+    if images:
+        await asyncio.to_thread(check)
+
+
+def check_image_limits(model: Any, count: int, max_images: int) -> None:
+    """Before any header is read: a text-only model (Ollama's error) and too many images."""
     if count == 0:
         return
-    projector = getattr(model.local, "projector", None)
-    if projector is None:
+    if getattr(model.local, "projector", None) is None:
         raise RequestError(f"{model.full} does not support vision")
     if count > max_images:
         raise RequestError(f"too many images: {count} (at most {max_images} per request, DGEMMA_MAX_IMAGES)")
-    if num_ctx is None:
-        return
-    from dgemma_cli.projector import projector_info
 
+
+def image_positions(model: Any) -> int:
+    """Prompt positions one image of `model` takes at most (its projector's soft tokens, boi and eoi), read from the
+    projector's header (cached: store blobs never change); 0 for a text-only model."""
+    projector = getattr(model.local, "projector", None)
+    if projector is None:
+        return 0
     try:
-        info = projector_info(projector)
+        return _projector_positions(str(projector))
     except DgemmaError as exc:
         raise RequestError(f"{model.full}: {exc}", 500) from None
-    positions = count * info.positions_per_image
-    if positions >= num_ctx:
-        raise RequestError(f"{count} image(s) take up to {positions} positions ({info.positions_per_image} each), "
-                           f"more than the context window ({num_ctx} tokens, num_ctx)")
+
+
+@functools.lru_cache(maxsize=16)
+def _projector_positions(path: str) -> int:
+    from dgemma_cli.projector import projector_info
+
+    return projector_info(Path(path)).positions_per_image
 
 
 def encode_images(projector: Any, images: list[RequestImage]) -> list[np.ndarray]:

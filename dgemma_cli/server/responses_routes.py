@@ -20,7 +20,7 @@ from dgemma_cli.server.services import Services
 from dgemma_cli.server.streaming import SSE, GuardedStreamingResponse, WorkerStream, collect, error_message, guarded_stream
 from dgemma_cli.server.options import request_options
 from dgemma_cli.server.prompts import chat_prompt
-from dgemma_cli.server.request_images import decoded_message_images, from_data_url, url_of
+from dgemma_cli.server.request_images import from_data_url, read_message_images, url_of
 from dgemma_cli.server.routing import CheckedRoute
 from dgemma_cli.server.output_format import openai_format
 from dgemma_cli.server.validation import chat_role
@@ -360,7 +360,7 @@ async def create_response(req: wire.ResponsesRequest, request: Request, svc: Ser
     if req.text is not None and req.text.format is not None:
         output_format = openai_format(req.text.format.type, req.text.format.schema_)
     messages = _input_messages(model, req)
-    await decoded_message_images(model, messages, svc.config.max_images)
+    read_message_images(model, messages, svc.config.max_images)
     if not messages:
         raise RequestError("input must not be empty")
     effort = (req.reasoning or {}).get("effort")
