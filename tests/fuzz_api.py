@@ -204,6 +204,20 @@ def image_requests(rng: random.Random) -> list[tuple[str, str, Any]]:
                                          {"type": "image_url", "image_url": {"url": url}}]}]}),
         ("POST", "/v1/responses", {"model": VISION_MODEL, "max_output_tokens": 16, "input": [
             {"role": "user", "content": [{"type": "input_image", "image_url": url}]}]}),
+        *costly_image_requests(),
+    ]
+
+
+def costly_image_requests() -> list[tuple[str, str, Any]]:
+    """Sixteen valid 5792 x 5792 white PNGs (112 KB each, seconds to decode): 16 x 66 positions cannot fit the
+    model's 1024 whatever num_ctx says, so each is a 400 from the headers alone, before any pixel is decoded."""
+    big = base64.b64encode(image_samples.big_white_png()).decode()
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + big}}
+    return [
+        ("POST", "/api/chat", {"model": VISION_MODEL, "stream": False, "options": {"num_ctx": 1_000_000},
+                               "messages": [{"role": "user", "content": "Hi", "images": [big] * 16}]}),
+        ("POST", "/v1/chat/completions", {"model": VISION_MODEL, "max_tokens": 16,
+                                          "messages": [{"role": "user", "content": [part] * 16}]}),
     ]
 
 
@@ -626,7 +640,8 @@ def run(cases: int, seed: int = 1, gguf: Path | None = None, time_budget: float 
             base_digest = fuzzer.upload(gguf.read_bytes(), "fixture")
             create = {"model": BASE_MODEL, "files": {"tiny-a.gguf": base_digest}, "stream": False}
             assert fuzzer.send("POST", "/api/create", encode(create), "base create").status_code == 200
-            projector = write_tiny_projector(work / "mmproj.gguf", n_embd_text=_embedding_length(gguf))
+            projector = write_tiny_projector(work / "mmproj.gguf", n_embd_text=_embedding_length(gguf),
+                                             max_soft_tokens=64)  # 66 positions: 16 images overflow 1024
             vision = {"model": VISION_MODEL, "stream": False, "files": {
                 "tiny-a.gguf": base_digest, "mmproj.gguf": fuzzer.upload(projector.read_bytes(), "projector")}}
             assert fuzzer.send("POST", "/api/create", encode(vision), "vision create").status_code == 200
