@@ -191,7 +191,7 @@ def ensure_model(client: Client, model: str, insecure: bool = False, pull: bool 
         try:
             ProgressRenderer().run(client.pull(model, insecure))  # as `dgemma pull`
         except DgemmaError as pull_error:  # say both: not in the store, and why the pull did not bring it
-            raise DgemmaError(f'model "{model}" not found locally, and pulling it failed: {pull_error}') from None
+            raise DgemmaError(f"model '{model}' not found, and pulling it failed: {pull_error}") from None
         show = client.show(model)
     architecture = (show.get("model_info") or {}).get(KEY_ARCHITECTURE) or (show.get("details") or {}).get("family")
     if architecture and architecture != ARCH:

@@ -32,6 +32,10 @@ _SPACE_MARK = "▁"
 NEVER = np.iinfo(np.int64).max    # tokens_to_close of a state from which the value cannot close
 
 
+# A deterministic refusal: the model's tokens cannot spell any value of the format (e.g. a digits-only vocabulary)
+VOCABULARY_CANNOT_WRITE = "this model's vocabulary cannot write this format"
+
+
 class ConstraintError(EngineError):
     """A schema that cannot be compiled, or a vocabulary that cannot write it."""
 
@@ -161,7 +165,11 @@ def compile_token_map(schema: dict[str, Any] | None, token_map: dict[bytes, list
     except ConstraintError:
         raise
     except Exception as exc:
-        raise ConstraintError(f"cannot compile the JSON schema for this vocabulary: {exc}") from exc
+        text = str(exc)
+        if "incompatible with the regex" in text:  # outlines-core's word; its message then quotes the whole regex
+            raise ConstraintError(VOCABULARY_CANNOT_WRITE) from None
+        first = text.splitlines()[0][:200] if text else type(exc).__name__
+        raise ConstraintError(f"cannot compile the JSON schema for this vocabulary: {first}") from None
     return TokenAutomaton.build(index.get_transitions(), index.get_initial_state(), index.get_final_states(),
                                 stop_ids)
 

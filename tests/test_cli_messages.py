@@ -88,7 +88,7 @@ def test_rm_of_the_bundled_model_lasts_until_pull_or_run(tmp_path):
     assert in_process(env, "show", "sudoku")[0] == 0  # first use registers it from the package
     assert in_process(env, "rm", "sudoku") == (0, "deleted 'sudoku'\n", "")
     for _ in range(2):  # neither a look nor an unload brings it back
-        assert in_process(env, "show", "sudoku") == (1, "", "Error: model 'sudoku:latest' not found\n")
+        assert in_process(env, "show", "sudoku") == (1, "", "Error: model 'sudoku' not found\n")
         assert in_process(env, "stop", "sudoku") == (1, "", 'Error: couldn\'t find model "sudoku" to stop\n')
     assert not store.exists("sudoku")
     assert in_process(env, "pull", "sudoku") == (0, "", "copying the bundled model from the dgemma package\nsuccess\n")
@@ -114,7 +114,7 @@ def test_the_api_does_not_bring_back_a_deleted_bundled_model(tmp_path):
         assert http.request("DELETE", "/api/delete", json={"model": "sudoku"}).status_code == 200
         for path, body in (("/api/show", {"model": "sudoku"}), ("/api/chat", chat)):
             answer = http.post(path, json=body)
-            assert (answer.status_code, answer.json()) == (404, {"error": "model 'sudoku:latest' not found"}), path
+            assert (answer.status_code, answer.json()) == (404, {"error": "model 'sudoku' not found"}), path
         assert http.post("/api/pull", json={"model": "sudoku", "stream": False}).json() == {"status": "success"}
         assert http.post("/api/show", json={"model": "sudoku"}).status_code == 200
     assert store.exists("sudoku")
@@ -142,7 +142,7 @@ def test_run_of_a_model_neither_stored_nor_pullable_says_both(tmp_path):
     assert (code, out) == (1, "")
     *statuses, error = err.splitlines()
     assert statuses == ["pulling manifest"], err
-    prefix = 'Error: model "nosuchmodel" not found locally, and pulling it failed: '
+    prefix = "Error: model 'nosuchmodel' not found, and pulling it failed: "
     assert error.startswith(prefix) and len(error) > len(prefix), error
 
 
@@ -193,3 +193,12 @@ def test_show_names_candidate_canvases_apart_from_num_parallel(served):
     assert [row.split() for row in parameters] == [["num_parallel", "2"]]
     assert ["candidate", "canvases", "1"] in [row.split() for row in diffusion]
     assert not [row for row in diffusion if "parallel" in row], diffusion
+
+
+def test_not_found_is_worded_once_as_ollama_words_it(tmp_path):
+    """`run`, `show` and `rm` of a missing model all say `model 'NAME' not found`, the name as typed."""
+    env = cli_env(tmp_path)
+    assert in_process(env, "show", "nosuch") == (1, "", "Error: model 'nosuch' not found\n")
+    assert in_process(env, "rm", "nosuch") == (1, "", "Error: model 'nosuch' not found\n")
+    code, _, err = in_process(env, "run", "nosuch", "hi")
+    assert code == 1 and err.splitlines()[-1].startswith("Error: model 'nosuch' not found, and pulling it failed: ")

@@ -123,7 +123,7 @@ def test_error_unknown_model(setup):
     """As `ollama run`: not in the store, so it is pulled, and the registry does not know it."""
     result = run_cli(["run", "no-such-model", "hi"], setup.env())
     assert result.returncode == 1
-    assert result.stderr.splitlines() == ["pulling manifest", 'Error: model "no-such-model" not found locally, and '
+    assert result.stderr.splitlines() == ["pulling manifest", "Error: model 'no-such-model' not found, and "
                                           "pulling it failed: pull model manifest: file does not exist"]
     assert result.stdout == ""
 

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from dgemma_cli.server.schema_compiler import STORE_STATUS, read_vocabulary
+from dgemma_cli.server.schema_compiler import read_vocabulary
 from dgemma_engine.automata import (CompileLimitExceeded, CompileStopped, Vocabulary, cache_file, compile_isolated,
                                     load_automaton, save_automaton)
 from json_schemas import HOSTILE_SCHEMAS, SCHEMAS
@@ -204,10 +204,20 @@ def json_object_file(models: Path, gguf: Path) -> Path:
     return cache_file(models / "cache" / "automata", read_vocabulary(str(gguf)), None)
 
 
-def test_create_compiles_any_json_object_into_the_store(served, gguf_path):
+def cached_soon(path: Path, timeout: float = 240.0) -> bool:
+    """Whether the background compile a create or pull started has written `path` within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if load_automaton(path, 512) is not None:
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def test_create_answers_at_once_and_compiles_any_json_object_into_the_store_in_the_background(served, gguf_path):
     server, _, models = served
-    assert server.create_statuses[-3:] == ["writing manifest", STORE_STATUS, "success"]
-    assert load_automaton(json_object_file(models, gguf_path("tiny-a", "f32")), 512) is not None
+    assert server.create_statuses[-2:] == ["writing manifest", "success"]  # the compile is not waited for
+    assert cached_soon(json_object_file(models, gguf_path("tiny-a", "f32")))
 
 
 def generate(client: httpx.Client, schema=None, **overrides) -> tuple[httpx.Response, float]:
@@ -355,7 +365,10 @@ def test_a_failing_compile_does_not_fail_create_and_pull_writes_the_cache_file(t
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
     compiled = json_object_file(models, gguf)
 
+    tried = threading.Event()
+
     def broken(*args, **kwargs):
+        tried.set()
         raise RuntimeError("the compiler crashed")
 
     with InProcessServer(config, Store(models), default_runner_factory) as server, \
@@ -364,8 +377,9 @@ def test_a_failing_compile_does_not_fail_create_and_pull_writes_the_cache_file(t
         with monkeypatch.context() as patched:
             patched.setattr(automata, "compile_isolated", broken)
             created = client.post("/api/create", json={"model": "tiny", "files": {"tiny-a.gguf": digest}})
+            assert tried.wait(120)  # the background compile the create started ran, and failed
         assert created.status_code == 200, created.text
-        assert [line["status"] for line in ndjson(created)][-2:] == [STORE_STATUS, "success"]
+        assert [line["status"] for line in ndjson(created)][-2:] == ["writing manifest", "success"]
         assert not compiled.exists()
 
         response, _ = generate(client, "json", options={"num_predict": 32, "diffusion_steps": 2, "seed": 5})
@@ -377,5 +391,28 @@ def test_a_failing_compile_does_not_fail_create_and_pull_writes_the_cache_file(t
         registry.add_model("library/tiny:latest", [(MEDIA_MODEL, data)])
         pulled = client.post("/api/pull", json={"model": f"{registry.host}/library/tiny:latest", "insecure": True})
         assert pulled.status_code == 200, pulled.text
-        assert [line.get("status") for line in ndjson(pulled)][-2:] == [STORE_STATUS, "success"]
-        assert load_automaton(compiled, 512) is not None
+        assert [line.get("status") for line in ndjson(pulled)][-1] == "success"
+        assert cached_soon(compiled)
+
+
+# ---- a vocabulary that cannot write JSON -----------------------------------------------------------------------------
+
+def test_a_vocabulary_without_json_is_known_once_and_format_is_refused_in_one_line(tmp_path):
+    """The bundled Sudoku model writes digits only: `format` is refused at once with one line (no compile, no regex
+    in the answer or the log), and the server says so in one short log line however often it is asked."""
+    from dgemma_engine.constrained import VOCABULARY_CANNOT_WRITE
+
+    with ServeProcess(tmp_path / "models", {"DGEMMA_NOPRUNE": "1"}) as server, \
+            httpx.Client(base_url=server.url, timeout=120) as client:
+        for _ in range(3):
+            started = time.monotonic()
+            response = client.post("/api/chat", json={"model": "sudoku", "format": "json", "stream": False,
+                                                      "messages": [{"role": "user", "content": "hi"}]})
+            assert response.status_code == 400, response.text
+            assert response.json() == {"error": VOCABULARY_CANNOT_WRITE}
+            assert time.monotonic() - started < 10  # the compile took 14 s before it said so
+        time.sleep(1.0)  # the load's background compile logs too
+        logs = server.logs()
+    mentions = [line for line in logs.splitlines() if "JSON object" in line]
+    assert len(mentions) == 1 and "no token opens a JSON object" in mentions[0], mentions
+    assert max(len(line) for line in logs.splitlines()) < 400

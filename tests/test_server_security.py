@@ -189,7 +189,7 @@ def test_invalid_names_on_every_endpoint(served):
         r = HTTP.post(url + "/api/copy", json={"source": "tiny", "destination": name})
         assert r.json() == {"error": f'destination "{name}" is invalid'}
     assert HTTP.post(url + "/api/copy", json={"source": "nope", "destination": "b"}).json() == {
-        "error": 'model "nope" not found'}
+        "error": "model 'nope' not found"}
 
 
 def test_create_refuses_server_side_paths(served, tmp_path):

@@ -43,6 +43,7 @@ from dgemma_cli.server.prompts import GeneratePrompt, chat_prompt
 from dgemma_cli.server.request_images import (RequestImage, check_image_limits, from_base64, read_images,
                                                 read_message_images)
 from dgemma_cli.server.validation import chat_role, check_name_text
+from dgemma_cli.store import ModelNotFoundError
 
 log = logging.getLogger("dgemma.server")
 router = APIRouter(route_class=CheckedRoute)
@@ -434,7 +435,7 @@ async def copy(req: wire.CopyRequest, request: Request) -> Response:
     source = svc.parse_name(req.source or "", f'source "{req.source or ""}" is invalid')
     destination = svc.parse_name(req.destination or "", f'destination "{req.destination or ""}" is invalid')
     if not await asyncio.to_thread(svc.store.exists, source):
-        raise NotFound(f'model "{req.source}" not found')
+        raise ModelNotFoundError(req.source or "")
     await asyncio.to_thread(svc.store.copy, source, destination)
     return Response(status_code=200)
 
@@ -445,7 +446,7 @@ async def delete(req: wire.DeleteRequest, request: Request) -> Response:
     _check_writable(svc)
     name = svc.parse_name(_model_text(req.model, req.name))
     if not await asyncio.to_thread(svc.store.exists, name):
-        raise NotFound(f"model '{req.model or req.name}' not found")
+        raise ModelNotFoundError(_model_text(req.model, req.name))
     await svc.scheduler.unload(name.display)
     await asyncio.to_thread(svc.store.delete, name)
     await asyncio.to_thread(mark_deleted, svc.store, name)  # a bundled model stays deleted until pulled

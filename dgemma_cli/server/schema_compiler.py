@@ -10,9 +10,9 @@ at the lowest CPU priority, so generations keep their speed.
 
 "Any JSON object" is shared instead: it is the same for every request and costs tens of CPU seconds at the released
 vocabulary, so it is compiled once per vocabulary, without that limit, and a request for it waits for that compile
-rather than being refused. It is compiled into the disk cache as the last step of `/api/create` and `/api/pull`, so
-that even the first load of a new model reads it from disk, and in the background when a model loads (a no-op when it
-is cached). Every automaton is kept in memory (the last CACHE_SIZE) and on disk (`<models>/cache/automata/`), so it is
+rather than being refused. It is compiled into the disk cache in the background right after `/api/create` and
+`/api/pull` store a model (which answer `success` without waiting for it: a create of a small model would otherwise
+take seconds, most of them this compile), and when a model loads (a no-op when it is cached). Every automaton is kept in memory (the last CACHE_SIZE) and on disk (`<models>/cache/automata/`), so it is
 compiled once per (vocabulary, schema), across restarts; the disk cache keeps at most DISK_CACHE_BYTES in
 DISK_CACHE_FILES files, the least recently used going first ("any JSON object" last). A read-only server
 (DGEMMA_READONLY) reads that cache but never writes to it: what it compiles stays in memory. Before an automaton is handed out, the constrained decoder's
@@ -20,7 +20,6 @@ index of it (dgemma_engine.constrained.decode_index: its runs of edges and token
 automaton in memory, so a request's first canvas does not wait for it.
 """
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
@@ -49,8 +48,6 @@ REFUSALS = 256                  # (vocabulary, schema) pairs known to exceed the
 WALL_LIMIT_FACTOR = 30          # a compile starved of CPU by generations is given up after this × its CPU limit
 VOCABULARY_KEYS = frozenset({gguf_keys.KEY_TOKENS, gguf_keys.KEY_TOKEN_TYPE})
 BACKGROUND_CPU_LIMIT_S = 1800.0  # "any JSON object" takes ~45 CPU seconds at 262k tokens; a crafted vocabulary less
-STORE_STATUS = "compiling structured output"  # the create/pull status line while "any JSON object" compiles
-POLL_S = 0.25                   # how often a create or pull waiting for its compile checks that its client is there
 
 
 @dataclass(eq=False)
@@ -77,6 +74,7 @@ class SchemaCompiler:
         self._vocabularies: OrderedDict[str, asyncio.Future] = OrderedDict()
         self._automata: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._refused: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._objectless: set[str] = set()  # digests of vocabularies that cannot open an object (logged once)
         self._compiles: dict[tuple[str, str], _Compile] = {}
         self._background: set[asyncio.Task] = set()
 
@@ -85,7 +83,7 @@ class SchemaCompiler:
         ConstraintError (one line) for a schema that cannot be compiled or exceeds the limit. Cancelling the call
         (the client left) stops a compile that no other request waits for."""
         from dgemma_engine.automata import schema_key
-        from dgemma_engine.constrained import ConstraintError
+        from dgemma_engine.constrained import VOCABULARY_CANNOT_WRITE, ConstraintError
 
         vocabulary = await self.vocabulary(gguf_path)
         key = (vocabulary.digest, schema_key(schema))
@@ -94,6 +92,8 @@ class SchemaCompiler:
             return self._automata[key]
         if key in self._refused:
             raise ConstraintError(self._refused[key])
+        if schema is None and not self._writes_objects(vocabulary, gguf_path):
+            raise ConstraintError(VOCABULARY_CANNOT_WRITE)
         job = self._compiles.get(key)
         if job is None:
             job = self._start(key, vocabulary, schema, shared=schema is None)
@@ -108,20 +108,16 @@ class SchemaCompiler:
     def precompile(self, model: Any) -> None:
         """Start compiling "any JSON object" for a model that just loaded (a no-op when it is cached)."""
         path = getattr(model, "gguf_path", None)
-        if path is None:
-            return
-        task = asyncio.ensure_future(self._precompile(str(path)))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        if path is not None:
+            self._start_background(self._precompile(str(path)))
 
     def with_store_compile(self, produce: Callable[[threading.Event], Iterator[Any]],
                            stored_gguf: Callable[[], Any]) -> Callable[[threading.Event], Iterator[Any]]:
-        """`produce` (a create's or a pull's status stream, run in a WorkerStream's thread) with "any JSON object"
-        compiled into the disk cache for the model it stored before its closing `success`, under the status
-        STORE_STATUS when there is something to compile. `stored_gguf()` gives that model's GGUF path (None: no model
-        layer). Called on the event loop. The compile is the shared background one (idle priority, no request limit);
-        a compile that fails, or a vocabulary that cannot write an object, is logged and the operation still
-        succeeds; a client that leaves stops the waiting, not the compile."""
+        """`produce` (a create's or a pull's status stream, run in a WorkerStream's thread), starting the compile of
+        "any JSON object" into the disk cache for the model it stored just before its closing `success`, which does
+        not wait for it. `stored_gguf()` gives that model's GGUF path (None: no model layer). Called on the event
+        loop. The compile is the shared background one (idle priority, no request limit); one that fails, or a
+        vocabulary that cannot write an object, is logged once and a `format` request then says why."""
         loop = asyncio.get_running_loop()
 
         def statuses(cancel: threading.Event) -> Iterator[Any]:
@@ -137,7 +133,7 @@ class SchemaCompiler:
             if held is None:
                 return
             if not cancel.is_set():
-                yield from self._store_compile(loop, stored_gguf, cancel)
+                self._store_compile(loop, stored_gguf)
             yield held
 
         return statuses
@@ -150,8 +146,7 @@ class SchemaCompiler:
         if self.cache_dir is None or self.read_only:
             return False
         vocabulary = await self.vocabulary(gguf_path)
-        if not any(written.startswith(b"{") for written in vocabulary.token_map):  # the value's first byte
-            log.info('no "any JSON object" automaton for %s: no token opens an object', os.path.basename(gguf_path))
+        if not self._writes_objects(vocabulary, gguf_path):
             return False
         path = cache_file(self.cache_dir, vocabulary, None)
         return await asyncio.to_thread(_writable_dir, path.parent) and not await asyncio.to_thread(path.is_file)
@@ -213,7 +208,7 @@ class SchemaCompiler:
 
     async def _compile(self, key: tuple[str, str], vocabulary: Any, schema: dict | None, shared: bool) -> Any:
         from dgemma_engine.automata import CompileLimitExceeded, cache_file, load_automaton, mark_used
-        from dgemma_engine.constrained import ConstraintError, decode_index
+        from dgemma_engine.constrained import VOCABULARY_CANNOT_WRITE, ConstraintError, decode_index
 
         path = None if self.cache_dir is None else cache_file(self.cache_dir, vocabulary, schema)
         if path is not None:
@@ -232,10 +227,12 @@ class SchemaCompiler:
             except CompileLimitExceeded as exc:
                 message = limit_message(exc, shared)
                 if exc.kind == "CPU time":  # the same schema would take as long again; wall time depends on load
-                    self._refused[key] = message
-                    while len(self._refused) > REFUSALS:
-                        self._refused.popitem(last=False)
+                    self._refuse(key, message)
                 raise ConstraintError(message) from None
+            except ConstraintError as exc:
+                if str(exc) == VOCABULARY_CANNOT_WRITE:  # it would say so again: known once, refused at once
+                    self._refuse(key, str(exc))
+                raise
         if out is not None:
             await asyncio.to_thread(self._trim, out)
         await asyncio.to_thread(decode_index, automaton)
@@ -267,53 +264,64 @@ class SchemaCompiler:
             finally:
                 stop.set()  # when this wait was cancelled (the requester left, shutdown), the child is killed
 
+    def _writes_objects(self, vocabulary: Any, gguf_path: str | os.PathLike) -> bool:
+        """Whether some token opens a JSON object (the value's first byte): a vocabulary of digits alone (the Sudoku
+        model) cannot write one, which is known here at once instead of after a compile. Logged once per vocabulary."""
+        if any(written.startswith(b"{") for written in vocabulary.token_map):
+            return True
+        if vocabulary.digest not in self._objectless:
+            self._objectless.add(vocabulary.digest)
+            log.info("%s: no token opens a JSON object, so `format` is refused for it", os.path.basename(gguf_path))
+        return False
+
+    def _refuse(self, key: tuple[str, str], message: str) -> None:
+        self._refused[key] = message
+        while len(self._refused) > REFUSALS:
+            self._refused.popitem(last=False)
+
     def _remember(self, key: tuple[str, str], automaton: Any) -> None:
         self._automata[key] = automaton
         self._automata.move_to_end(key)
         while len(self._automata) > CACHE_SIZE:
             self._automata.popitem(last=False)
 
-    def _store_compile(self, loop: asyncio.AbstractEventLoop, stored_gguf: Callable[[], Any],
-                       cancel: threading.Event) -> Iterator[dict[str, str]]:
-        """In a create's or pull's worker thread: STORE_STATUS and the compile, when there is one to do."""
+    def _store_compile(self, loop: asyncio.AbstractEventLoop, stored_gguf: Callable[[], Any]) -> None:
+        """In a create's or pull's worker thread: start the compile for the model it stored, in the background."""
         try:
             path = stored_gguf()
         except Exception as exc:  # noqa: BLE001 - the model is stored; a later request compiles on demand
             log.warning('no "any JSON object" automaton compiled for the new model: %s', exc)
             return
-        if path is None or not _on_loop(loop, self.store_compile_needed(path), cancel, path):
-            return
-        yield {"status": STORE_STATUS}
+        if path is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the server is shutting down
+                loop.call_soon_threadsafe(self._start_background, self._compile_stored(str(path)))
+
+    def _start_background(self, coroutine: Any) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _compile_stored(self, path: str) -> None:
         started = time.monotonic()
-        if _on_loop(loop, self.compile_into_cache(path), cancel, path):
-            log.info('"any JSON object" for %s compiled into the cache in %.1f s', os.path.basename(str(path)),
-                     time.monotonic() - started)
+        try:
+            if not await self.store_compile_needed(path):
+                return
+            await self.compile_into_cache(path)
+        except Exception as exc:  # noqa: BLE001 - a request for it reports the same error itself
+            log.info('no "any JSON object" automaton for %s: %s', os.path.basename(path), _first_line(exc))
+            return
+        log.info('"any JSON object" for %s compiled into the cache in %.1f s', os.path.basename(path),
+                 time.monotonic() - started)
 
     async def _precompile(self, path: str) -> None:
         try:
             await self.automaton(path, None)
         except Exception as exc:  # noqa: BLE001 - a request for it reports the same error itself
-            log.info('no "any JSON object" automaton for %s: %s', os.path.basename(path), exc)
+            log.info('no "any JSON object" automaton for %s: %s', os.path.basename(path), _first_line(exc))
 
 
-def _on_loop(loop: asyncio.AbstractEventLoop, coroutine: Any, cancel: threading.Event, path: Any) -> Any:
-    """Run `coroutine` on `loop` from a worker thread and wait for it: its result, or None when it failed (logged) or
-    `cancel` was set first (the client left; the coroutine goes on)."""
-    try:
-        future = asyncio.run_coroutine_threadsafe(coroutine, loop)
-    except RuntimeError:  # the loop is closed: the server is shutting down
-        coroutine.close()
-        return None
-    while not concurrent.futures.wait([future], timeout=POLL_S).done:
-        if cancel.is_set():
-            return None
-    try:
-        result = future.result()
-    except Exception as exc:  # noqa: BLE001 - logged (a compile cancelled at shutdown too); the model is stored
-        log.info('no "any JSON object" automaton for %s: %s', os.path.basename(str(path)),
-                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        return None
-    return result
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def read_vocabulary(path: str) -> Any:

@@ -59,11 +59,12 @@ class Services:
         try:
             local = await asyncio.to_thread(self.store.resolve, name)
         except ModelNotFoundError:
+            missing = ModelNotFoundError(text)  # named as the client wrote it, as Ollama does
             # a bundled model (sudoku) comes from the package on first use: no pull, no network; registered in the
             # store, or served from a private copy by a read-only server, which writes nothing there
             source = await asyncio.to_thread(bundled_source, self.store, name, self.config.readonly)
             if source is None:
-                raise
+                raise missing from None
             local = await asyncio.to_thread(source.resolve, name)
         return ResolvedModel(name=name, local=local, requested=text)
 
