@@ -577,7 +577,7 @@ class Store:
             elif layer.media_type == MEDIA_PARAMS:
                 params = _json_layer(self.read_blob_text(layer.digest), dict, "params")
             elif layer.media_type == MEDIA_MESSAGES:
-                messages = _json_layer(self.read_blob_text(layer.digest), list, "messages")
+                messages = _stored_messages(_json_layer(self.read_blob_text(layer.digest), list, "messages"))
         return LocalModel(
             name=name.display if path is None else _on_disk_name(self, path).display,
             gguf_path=gguf_path,
@@ -689,6 +689,17 @@ class Store:
 def _on_disk_name(store: Store, path: Path) -> ModelName:
     host, ns, model, tag = path.relative_to(store.manifests_dir).parts
     return ModelName.parse(f"{host}/{ns}/{model}:{tag}")
+
+
+def _stored_messages(messages: list) -> list[dict[str, str]]:
+    """A stored messages layer under the create and pull check: a model stored before that check (or by hand) with
+    messages no template can render is refused in one line rather than failing inside the renderer."""
+    from dgemma_cli.modelfile import ModelfileError, check_messages
+
+    try:
+        return check_messages(messages)
+    except ModelfileError as exc:
+        raise DgemmaError(f"the model's messages layer is invalid: {exc}") from None
 
 
 def _json_layer(text: str, kind: type, what: str) -> Any:

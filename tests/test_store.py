@@ -212,7 +212,7 @@ def test_cli_create_list_show_cp_rm(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (("show", "missing"), "Error: model 'missing:latest' not found\n"),
+    (("show", "missing"), "Error: model 'missing' not found\n"),
     (("rm", "missing"), "Error: model 'missing' not found\n"),  # the server's /api/delete text (name as sent)
     (("create", "bad/../name"), "Error: invalid model name: bad/../name\n"),
     (("cp", "../x", "y"), 'Error: source "../x" is invalid\n'),
@@ -277,3 +277,26 @@ def test_progress_renderer_terminal_frame():
     assert lines[0] == "pulling manifest"
     assert lines[1].startswith("pulling 8eeb52dfb3bb:  50% ▕") and "500 B/1 KB" in lines[1]
     assert lines[2] == "verifying sha256 digest" and len(lines) == 3  # no spinner before the live display starts
+
+
+def test_a_stored_messages_layer_no_template_can_render_is_refused_in_one_line(tmp_path):
+    """A model stored before create and pull checked messages (or written by hand) answers a 400 naming the layer,
+    not an error from inside the renderer."""
+    from dgemma_cli.store import (CONFIG_MEDIA_TYPE, MEDIA_MESSAGES, MEDIA_MODEL, Layer, Store, build_manifest,
+                                  canonical_json)
+    from dgemma_engine.errors import DgemmaError
+
+    store = Store(tmp_path / "models")
+    model = store.write_blob(b"GGUF not really")
+    config = store.write_blob(canonical_json({"model_format": "gguf", "model_family": "diffusion-gemma"}))
+    for messages, ok in (([{"role": "user", "content": "hi"}], True), ([1, "x", {"role": "wizard"}], False)):
+        layers = [Layer(MEDIA_MODEL, *model), Layer(MEDIA_MESSAGES, *store.write_blob(canonical_json(messages)))]
+        store.write_manifest("m", build_manifest(Layer(CONFIG_MEDIA_TYPE, *config), layers))
+        if ok:
+            assert store.resolve("m").messages == messages
+            continue
+        with pytest.raises(DgemmaError) as caught:
+            store.resolve("m")
+        assert caught.value.status == 400
+        assert str(caught.value) == ("the model's messages layer is invalid: messages[0]: a message is an object "
+                                     'with "role" and "content"')
