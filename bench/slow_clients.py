@@ -191,7 +191,7 @@ class Flood:
             await asyncio.sleep(0.05)
         started_s = time.perf_counter() - began
         print(json.dumps({"started": self.open}), flush=True)
-        while time.perf_counter() - began < hold:
+        while time.perf_counter() - began < started_s + hold:  # held for `hold` seconds once all were started
             self.open_samples.append(self.open)
             await asyncio.sleep(0.5)
         self.stopping = True
@@ -258,6 +258,9 @@ def _measure(server: Server, client: httpx.Client, args) -> dict:
     report["flooded_chat_s"] = summary([s for s, status, _, _ in flooded if status == 200])
     report["flooded_chat_server_s"] = summary([s for _, status, s, _ in flooded if status == 200])
     report["flooded_failures"] = sum(1 for _, status, _, _ in flooded if status != 200)
+    # wall time beyond the server's own: getting the request in and the answer out, what slow clients could delay
+    report["quiet_http_overhead_s"] = summary([w - s for w, status, s in quiet if status == 200])
+    report["flooded_http_overhead_s"] = summary([w - s for w, status, s, _ in flooded if status == 200])
     report["rss_mb_peak"] = rss_peak
     report["server_fds_peak"] = fds_peak
     report["log_bytes_during"] = server.log_bytes()
