@@ -166,7 +166,7 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
              cancel: threading.Event | None = None, threads: int | None = None,
              constraint: CanvasConstraint | None = None, checker: CanvasChecker | None = None,
              self_correct: bool = True, sample_on_device: bool | None = None,
-             images: Sequence[np.ndarray] = ()) -> Iterator[Event]:
+             images: Sequence[np.ndarray] = (), hidden_ids: frozenset[int] = frozenset()) -> Iterator[Event]:
     """Generate after `prompt_ids` (appended to whatever `ctx` has cached). Yields StepEvent per step, CanvasEvent
     per committed canvas and one final DoneEvent. The token budget is in whole canvases: ceil(max_new_tokens / C).
     `cancel` is checked between steps. Raises EngineError on unusable input (nothing to condition on, a prompt that
@@ -176,7 +176,8 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
     `self_correct`, to renoise positions that break them. `sample_on_device`: reduce each step's logits in the graph
     (True), hand them to the C sampler (False), or choose by where they live (None; see _sample_on_device).
     `images`: one float32 [n_soft, n_embd] array (the projector's output) per image marker in `prompt_ids`; each
-    marker is expanded to boi, image × n_soft, eoi (dgemma_engine.image_prompt) and the prompt is encoded with them."""
+    marker is expanded to boi, image × n_soft, eoi (dgemma_engine.image_prompt) and the prompt is encoded with them.
+    `hidden_ids`: token ids that write nothing in the events' text (dgemma_engine.chat.answer_text); the ids stay."""
     params = params or SamplerParams()
     model = ctx.model
     C = int(model.hparams.canvas_length)
@@ -201,7 +202,7 @@ def generate(ctx: Any, prompt_ids: Sequence[int], params: SamplerParams | None =
     seed = params.seed if params.seed is not None else secrets.randbits(63)
     eos = frozenset(int(t) for t in (eos_ids or ()))
     n_canvases = math.ceil(max_new_tokens / C)
-    decoder = tokenizer.stream_decoder() if tokenizer is not None else None
+    decoder = tokenizer.stream_decoder(hide=hidden_ids) if tokenizer is not None else None
     on_device = _sample_on_device(ctx, params, constraint, sample_on_device)
     if hasattr(ctx, "self_cond_top_k"):
         ctx.self_cond_top_k = int(params.self_cond_top_k)

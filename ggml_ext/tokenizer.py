@@ -29,8 +29,10 @@ TYPE_NORMAL, TYPE_UNKNOWN, TYPE_CONTROL, TYPE_USER_DEFINED, TYPE_UNUSED, TYPE_BY
 class Tokenizer:
     """Text <-> token ids for a GGUF vocabulary."""
 
-    def __init__(self, hf: HFTokenizer, tokens: list[str], special_ids: dict[str, int], space_prefix: bool = False):
+    def __init__(self, hf: HFTokenizer, tokens: list[str], special_ids: dict[str, int], space_prefix: bool = False,
+                 control_ids: frozenset[int] = frozenset()):
         self._hf = hf
+        self.control_ids = control_ids  # ids of CONTROL tokens (type 3): markup of the chat format, not text
         # SentencePiece's dummy prefix: one space before the text when encoding (once, not after each special
         # token), removed again at the start of decoded text.
         self._space_prefix = space_prefix
@@ -93,7 +95,8 @@ class Tokenizer:
                  for tok, t in zip(tokens, types) if t in (TYPE_CONTROL, TYPE_USER_DEFINED) and tok]
         hf.add_special_tokens([a for a in added if a.special])
         hf.add_tokens([a for a in added if not a.special])
-        return cls(hf, tokens, special_ids, space_prefix=add_space_prefix)
+        control = frozenset(i for i, t in enumerate(types) if t == TYPE_CONTROL)
+        return cls(hf, tokens, special_ids, space_prefix=add_space_prefix, control_ids=control)
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
@@ -127,21 +130,24 @@ class Tokenizer:
             text = " " + text
         return hf.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        return self._strip_start(self._decode_piece(ids, skip_special))
+    def decode(self, ids: Sequence[int], skip_special: bool = False, hide: frozenset[int] = frozenset()) -> str:
+        """`hide`: ids that write nothing (e.g. control tokens no reader of the text parses)."""
+        return self._strip_start(self._decode_piece(ids, skip_special, hide))
 
-    def _decode_piece(self, ids: Sequence[int], skip_special: bool) -> str:
+    def _decode_piece(self, ids: Sequence[int], skip_special: bool, hide: frozenset[int] = frozenset()) -> str:
         """Decode without start-of-text handling: pieces cut at complete characters concatenate exactly."""
         ids = [int(i) for i in ids]
         if any(i < 0 or i >= len(self.tokens) for i in ids):
             raise EngineError(f"token id outside the vocabulary [0, {len(self.tokens)})")
+        if hide:
+            ids = [i for i in ids if i not in hide]
         return self._hf.decode(ids, skip_special_tokens=skip_special)
 
     def _strip_start(self, text: str) -> str:
         return text[1:] if self._space_prefix and text.startswith(" ") else text
 
-    def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
-        return StreamDecoder(self, skip_special)
+    def stream_decoder(self, skip_special: bool = False, hide: frozenset[int] = frozenset()) -> StreamDecoder:
+        return StreamDecoder(self, skip_special, hide)
 
     def _literal_tokenizer(self) -> HFTokenizer:
         if self._literal is None:
@@ -155,16 +161,17 @@ class StreamDecoder:
     tokens are split across feeds (canvases) is held back until complete; `flush()` returns whatever is left
     (an incomplete tail becomes U+FFFD, as a full decode would)."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False, hide: frozenset[int] = frozenset()):
         self._tok = tokenizer
         self._skip = skip_special
+        self._hide = hide
         self._window: list[int] = []  # ids since the last point where all decoded text was complete
         self._emitted = 0             # characters of decode(window) already returned
         self._at_start = True         # nothing returned yet: the start-of-text rule still applies
 
     def feed(self, ids: Iterable[int]) -> str:
         self._window.extend(int(i) for i in ids)
-        text = self._tok._decode_piece(self._window, self._skip)
+        text = self._tok._decode_piece(self._window, self._skip, self._hide)
         complete = text.rstrip("\ufffd")  # a trailing U+FFFD may be a character still missing bytes
         out = complete[self._emitted:]
         self._emitted = max(self._emitted, len(complete))
@@ -173,7 +180,7 @@ class StreamDecoder:
         return self._start(out)
 
     def flush(self) -> str:
-        text = self._tok._decode_piece(self._window, self._skip) if self._window else ""
+        text = self._tok._decode_piece(self._window, self._skip, self._hide) if self._window else ""
         out = text[self._emitted:]
         self._window, self._emitted = [], 0
         return self._start(out)

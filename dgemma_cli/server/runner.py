@@ -13,8 +13,10 @@ from dgemma_engine.arch import ARCH
 
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import SamplerSettings, load_options
+from dgemma_cli.server.prompts import loaded_context
 from dgemma_cli.server.request_images import encode_images
 from dgemma_engine import gguf_keys
+from dgemma_engine.chat.answer_text import hidden_control_ids
 from dgemma_engine.chat.templates import render_prompt, select_template, tool_format_of
 
 
@@ -90,8 +92,9 @@ class EngineRunner:
             if architecture != ARCH:
                 raise RequestError(f'model architecture "{architecture}" is not supported by dgemma')
             self.canvas_length = int(hparams.canvas_length)
-            self.context_length = max(1, min(int(num_ctx), int(hparams.n_ctx_train)))
+            self.context_length = loaded_context(num_ctx, hparams.n_ctx_train)  # what request checks assume
             self.tokenizer = Tokenizer.from_metadata(self.metadata)
+            self.hidden_ids = hidden_control_ids(self.tokenizer)  # markup no reader of the answer parses
             self._contexts.append(self._new_context())  # allocate the cache now: a load fails early, not mid-request
         except BaseException:
             self.model.close()
@@ -160,7 +163,7 @@ class EngineRunner:
         return list(self.tokenizer.encode(text, special=True))
 
     def detokenize(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(list(ids))
+        return self.tokenizer.decode(list(ids), hide=self.hidden_ids)
 
     def generate(
         self, prompt_ids: list[int], sampler: SamplerSettings, max_new_tokens: int, cancel: threading.Event,
@@ -188,6 +191,7 @@ class EngineRunner:
                 max_new_tokens=max_new_tokens,
                 eos_ids=eos_ids_from_metadata(self.metadata),
                 tokenizer=self.tokenizer,
+                hidden_ids=self.hidden_ids,
                 cancel=cancel,
                 constraint=canvas_constraint,
                 checker=checker,

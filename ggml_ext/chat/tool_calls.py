@@ -143,6 +143,8 @@ def parse_gemma4_body(body: str) -> ToolCall:
 FORMATS: tuple[ToolCallFormat, ...] = (
     ToolCallFormat("gemma4", "<|tool_call>", "<tool_call|>", parse_gemma4_body),
 )
+# the control tokens a call is written with: an answer's text keeps them for the call parser (chat.answer_text)
+CALL_TOKENS = frozenset({_GEMMA_QUOTE} | {f.begin for f in FORMATS} | {f.end for f in FORMATS})
 
 
 def format_for_template(template: str | None) -> ToolCallFormat | None:
