@@ -19,14 +19,14 @@ from typing import Any, Callable, Iterator
 
 from dgemma_engine.arch import ARCH
 from dgemma_engine.chat.templates import template_format
-from dgemma_engine.gguf_keys import KEY_CANVAS_LENGTH, KEY_CHAT_TEMPLATE, KEY_GENERAL_TYPE, KEY_TOKENIZER_MODEL
+from dgemma_engine.gguf_keys import KEY_CANVAS_LENGTH, KEY_CHAT_TEMPLATE, KEY_GENERAL_TYPE
 
 from dgemma_cli.errors import DgemmaError
-from dgemma_cli.gguf_check import GGUFError, GGUFInfo, check_runnable, read_gguf_info
+from dgemma_cli.gguf_check import GGUFError, GGUFInfo, check_loadable, check_runnable, read_gguf_info
 from dgemma_cli.modelfile import (Modelfile, ModelfileError, check_jinja, check_messages, check_parameters,
                                   checked_modelfile)
 from dgemma_cli.names import ModelName
-from dgemma_cli.projector import ProjectorError, check_fits_model, is_projector, projector_info
+from dgemma_cli.projector import ProjectorError, check_projector, is_projector
 from dgemma_cli.store import (CONFIG_MEDIA_TYPE, MEDIA_ADAPTER, MEDIA_LICENSE, MEDIA_MESSAGES, MEDIA_MODEL,
                               MEDIA_PARAMS, MEDIA_PROJECTOR, MEDIA_SYSTEM, MEDIA_TEMPLATE, Layer, Store,
                               build_manifest, canonical_json)
@@ -169,42 +169,15 @@ def validated_gguf(path: Path) -> GGUFInfo:
         raise CreateError(f'model architecture "{info.architecture or "unknown"}" is not supported by dgemma')
     if KEY_CANVAS_LENGTH not in info.metadata:
         raise CreateError(f"supplied file was not in GGUF format ({KEY_CANVAS_LENGTH} is missing)")
-    try:
+    try:  # the same checks as a pulled model file's (gguf_check.check_model_gguf)
         check_runnable(info)
+        check_loadable(path, info)
     except GGUFError as exc:
         raise CreateError(f"model file cannot be run: {exc}") from None
-    if KEY_TOKENIZER_MODEL in info.metadata:
-        _check_tokenizer(path)
-    _check_loadable(path)
     template = info.metadata.get(KEY_CHAT_TEMPLATE)
     if isinstance(template, str) and template:
         check_jinja_template(template)  # the file's own template is what chats render with
     return info
-
-
-def _check_loadable(path: Path) -> None:
-    """Bind every tensor as the engine's load does (no weights allocated): what passes here loads at run time."""
-    from dgemma_engine.errors import EngineError
-    from dgemma_engine.model import Model
-
-    try:
-        Model.check(path)
-    except EngineError as exc:
-        raise CreateError(f"model file cannot be run: {exc}") from None
-
-
-def _check_tokenizer(path: Path) -> None:
-    """Build the tokenizer exactly as a run does and tokenize a line: what passes here cannot fail at load."""
-    from dgemma_engine.errors import EngineError
-    from dgemma_engine.tokenizer import Tokenizer
-
-    try:
-        tokenizer = Tokenizer.from_gguf(path)
-        ids = tokenizer.encode("Hello, world")
-    except EngineError as exc:
-        raise CreateError(f"model file cannot be run: {str(exc).replace(str(path), path.name)}") from None
-    if not ids or any(not 0 <= i < tokenizer.n_vocab for i in ids):
-        raise CreateError("model file cannot be run: its tokenizer cannot encode text")
 
 
 class ByteCounter:
@@ -484,13 +457,12 @@ def _create_model(name: ModelName | str, modelfile: Modelfile, store: Store, bas
 
 
 def checked_projector(path: Path | None, model: GGUFInfo | None) -> None:
-    """A vision projector GGUF checked from its header, and against the model's embedding width when known."""
+    """A vision projector GGUF checked as a pulled one is (projector.check_projector): its header, its fit to the
+    model when known, and the vision engine's load checks."""
     if path is None:
         return
     try:
-        info = projector_info(path, path.name)
-        if model is not None:
-            check_fits_model(info, model, path.name)
+        check_projector(path, model, path.name)
     except ProjectorError as exc:
         raise CreateError(str(exc)) from None
 

@@ -71,8 +71,35 @@ def projector_from(info: GGUFInfo, path: Path, name: str) -> ProjectorInfo:
 
 
 def check_fits_model(projector: ProjectorInfo, model: GGUFInfo, name: str) -> None:
-    """The projector's embeddings must be as wide as the text model's token embeddings."""
+    """The projector's embeddings must be as wide as the text model's token embeddings, and one image (its markers,
+    a prompt token and a canvas besides) must fit the model's context: else every request with an image is refused."""
     width = model.metadata.get(gguf_keys.KEY_EMBEDDING_LENGTH)
     if isinstance(width, int) and width != projector.n_embd_text:
         raise ProjectorError(f"projector {name} does not fit the model: it makes embeddings of {projector.n_embd_text} "
                              f"values, the model's are {width}")
+    context = model.metadata.get(gguf_keys.for_arch(gguf_keys.KEY_CONTEXT_LENGTH, model.architecture))
+    canvas = model.metadata.get(gguf_keys.KEY_CANVAS_LENGTH)
+    if isinstance(context, int) and isinstance(canvas, int) and projector.positions_per_image + 1 + canvas > context:
+        raise ProjectorError(f"projector {name} does not fit the model: an image takes up to "
+                             f"{projector.positions_per_image} positions, and with a canvas of {canvas} tokens the "
+                             f"model's context of {context} has no room for one")
+
+
+def check_projector(path: Path, model: GGUFInfo | None, label: str | None = None) -> ProjectorInfo:
+    """Everything a projector file must pass before the store keeps it: its header (`projector_info`), its fit to
+    the model when known (`check_fits_model`), and the vision engine's own load (`dgemma_engine.vision.Projector`:
+    every key in range, every tensor of its shape and type), which maps the file and allocates no weights; what
+    passes here loads when a run loads the model. Errors name the file by `label` (never a server path)."""
+    from dgemma_engine.errors import EngineError
+    from dgemma_engine.vision import Projector
+
+    name = label or Path(path).name
+    info = projector_info(path, name)
+    if model is not None:
+        check_fits_model(info, model, name)
+    try:
+        Projector.load(str(path), n_threads=1).close()
+    except EngineError as exc:
+        detail = str(exc).replace(f"cannot load the projector {path}: ", "").replace(str(path), name)
+        raise ProjectorError(f"invalid projector {name}: {detail}") from None
+    return info

@@ -24,6 +24,9 @@ from dgemma_engine import gguf_keys
 
 SPACE_MARK = "▁"  # U+2581, SentencePiece's visible space
 TYPE_NORMAL, TYPE_UNKNOWN, TYPE_CONTROL, TYPE_USER_DEFINED, TYPE_UNUSED, TYPE_BYTE = 1, 2, 3, 4, 5, 6
+# the arrays a tokenizer is built from, read whole (every other array of a header is only summarised)
+TOKENIZER_ARRAYS = frozenset({gguf_keys.KEY_TOKENS, gguf_keys.KEY_TOKEN_TYPE, gguf_keys.KEY_SCORES,
+                              gguf_keys.KEY_MERGES})
 
 
 class Tokenizer:
@@ -100,18 +103,15 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
-        """Read only the tokenizer keys of a GGUF file (no model load)."""
-        from gguf import GGUFReader
+        """Read only the tokenizer keys of a GGUF file (no model load), with the bounded header reader: the file's
+        other keys cost nothing, and a hostile header is refused within the reader's limits."""
+        from dgemma_engine.gguf_reader import GGUFError, read_gguf_info
 
         try:
-            reader = GGUFReader(os.fspath(path), "r")
-        except (OSError, ValueError) as exc:
-            raise EngineError(f"cannot read {path}: {exc}") from None
-        metadata = {}
-        for key, f in reader.fields.items():
-            if key.startswith("tokenizer."):
-                metadata[key] = f.contents()
-        return cls.from_metadata(metadata)
+            metadata = read_gguf_info(path, keep_arrays=TOKENIZER_ARRAYS).metadata
+        except GGUFError as exc:
+            raise EngineError(str(exc)) from None
+        return cls.from_metadata({key: value for key, value in metadata.items() if key.startswith("tokenizer.")})
 
     # ---- use ----------------------------------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
 import image_samples  # noqa: E402
-from gguf_mutator import MUTANTS, mutate  # noqa: E402
+from gguf_mutator import MUTANTS, PROJECTOR_MUTANTS, mutate  # noqa: E402
 from json_schemas import HOSTILE_SCHEMAS, SCHEMAS  # noqa: E402
 from server_harness import ServeProcess, free_port  # noqa: E402
 from store_helpers import write_tiny_projector  # noqa: E402
@@ -184,6 +184,7 @@ class Hostile:
 # ---- requests ------------------------------------------------------------------------------------------------------
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+PROJECTOR_CASE = "projector: "  # a GGUF case naming a PROJECTOR_MUTANTS entry: created with the base model
 VISION_MODEL = "fz-vision"  # the base model with a projector layer (a header-only projector: it never encodes)
 
 
@@ -467,7 +468,13 @@ class Fuzzer:
 
     def gguf_case(self, rng: random.Random, fixture: Path, scratch: Path, index: int, names: list[str]) -> None:
         self.report.gguf_cases += 1
-        if index < len(names):
+        files = {}  # the other files of the create: the base model, for a projector mutant
+        if index < len(names) and names[index].startswith(PROJECTOR_CASE):
+            name = names[index].removeprefix(PROJECTOR_CASE)
+            label = f"projector mutant {name!r}"
+            data = mutate(self.projector, scratch / "mmproj.gguf", name, PROJECTOR_MUTANTS).read_bytes()
+            files = {"model.gguf": self.base_digest}
+        elif index < len(names):
             label = f"gguf mutant {names[index]!r}"
             data = mutate(fixture, scratch / "mutant.gguf", names[index]).read_bytes()
         else:
@@ -476,7 +483,8 @@ class Fuzzer:
         digest = self.upload(data, label)
         if digest is None:
             return
-        body = {"model": f"fz-gguf-{index}", "files": {"model.gguf": digest}, "stream": rng.random() < 0.3}
+        body = {"model": f"fz-gguf-{index}", "files": {**files, "mmproj.gguf" if files else "model.gguf": digest},
+                "stream": rng.random() < 0.3}
         response = self.send("POST", "/api/create", encode(body), label + " create")
         ok = response is not None and response.status_code == 200 and '"error"' not in response.text
         if ok:
@@ -647,7 +655,8 @@ def run(cases: int, seed: int = 1, gguf: Path | None = None, time_budget: float 
             assert fuzzer.send("POST", "/api/create", encode(vision), "vision create").status_code == 200
             bases = base_requests(base_digest)
             fuzzer.sweep_long_names(bases)
-            mutant_names = sorted(MUTANTS)
+            mutant_names = sorted(MUTANTS) + [PROJECTOR_CASE + name for name in sorted(PROJECTOR_MUTANTS)]
+            fuzzer.projector, fuzzer.base_digest = projector, base_digest  # what projector mutants start from
             rng.shuffle(mutant_names)
             gguf_index = 0
             for case in range(cases):

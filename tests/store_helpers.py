@@ -41,7 +41,9 @@ def write_tiny_gguf(path: Path, arch: str = "diffusion-gemma", file_type: int = 
     w.add_uint32("diffusion.eb_max_steps", eb_max_steps)
     w.add_float32("diffusion.eb_t_max", 0.8)
     w.add_float32("diffusion.eb_t_min", 0.4)
+    w.add_tokenizer_model("gemma4")
     w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(V)])
+    w.add_unk_token_id(0)  # any text encodes (as t0): create tries the tokenizer on a line
     if chat_template is not None:
         w.add_chat_template(chat_template)
     rng = np.random.default_rng(0)
@@ -117,19 +119,37 @@ def valid_raw_gguf() -> bytes:
 
 def write_tiny_projector(path: Path, n_embd_text: int = 8, max_soft_tokens: int = 16, arch: str = "clip",
                          projector_type: str = "gemma4v") -> Path:
-    """A small vision projector GGUF header in the mtmd layout (`general.architecture` "clip"): the keys the store,
-    `show` and the request checks read, and two small tensors (not a runnable vision tower)."""
+    """The smallest vision projector the vision engine loads, in the mtmd layout (`general.architecture` "clip"): one
+    block of width 32, one head, 4-pixel patches pooled 2x2, every tensor the engine binds (small deterministic
+    weights: the embeddings are meaningless), so `create`'s load check accepts it and a run can encode images."""
+    H, FF, P = 32, 32, 2 * max_soft_tokens  # P: position rows per axis, the longest side an image can have
+    rng = np.random.default_rng(0)
+
+    def matrix(*shape):
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+
     w = gguf.GGUFWriter(str(path), arch)
     w.add_type("mmproj")
     w.add_bool("clip.has_vision_encoder", True)
     w.add_string("clip.projector_type", projector_type)
     w.add_uint32("clip.vision.projection_dim", n_embd_text)
-    w.add_uint32("clip.vision.embedding_length", 32)
+    w.add_uint32("clip.vision.embedding_length", H)
+    w.add_uint32("clip.vision.feed_forward_length", FF)
+    w.add_uint32("clip.vision.block_count", 1)
+    w.add_uint32("clip.vision.attention.head_count", 1)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
     w.add_uint32("clip.vision.patch_size", 4)
     w.add_uint32("clip.vision.projector.scale_factor", 2)
     w.add_uint32("dgemma.vision.max_soft_tokens", max_soft_tokens)
-    w.add_tensor("v.patch_embd.weight", np.ones((32, 3, 4, 4), np.float32))
-    w.add_tensor("mm.input_projection.weight", np.ones((n_embd_text, 32), np.float32))
+    w.add_tensor("v.patch_embd.weight", matrix(H, 3, 4, 4))
+    w.add_tensor("v.position_embd.weight", matrix(2, P, H))
+    ones = np.ones(H, np.float32)
+    for name in ("ln1", "attn_q_norm", "attn_k_norm", "attn_post_norm", "ln2", "ffn_post_norm"):
+        w.add_tensor(f"v.blk.0.{name}.weight", ones)
+    for name, shape in (("attn_q", (H, H)), ("attn_k", (H, H)), ("attn_v", (H, H)), ("attn_out", (H, H)),
+                        ("ffn_gate", (FF, H)), ("ffn_up", (FF, H)), ("ffn_down", (H, FF))):
+        w.add_tensor(f"v.blk.0.{name}.weight", matrix(*shape))
+    w.add_tensor("mm.input_projection.weight", matrix(n_embd_text, H))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -2,8 +2,8 @@
 FROM folder holding both, a projector added to an existing model, `/api/create` with both files, a pulled manifest
 with a projector layer, and what `show` says (`vision` capability, the Projector block, the second FROM).
 
-The projector files are small GGUF headers written here with gguf-py (`store_helpers.write_tiny_projector`); the
-converter's own projector output is tested with the vision engine."""
+The projector files are the smallest ones the vision engine loads, written with gguf-py
+(`store_helpers.write_tiny_projector`); the converter's own projector output is tested with the vision engine."""
 from __future__ import annotations
 
 import shutil
@@ -133,7 +133,7 @@ def test_api_create_with_model_and_projector_files_and_show(served, files):
     assert show["capabilities"][:3] == ["completion", "diffusion", "vision"]  # vision before tools, as Ollama
     info = show["projector_info"]
     assert info["general.architecture"] == "clip" and info["clip.vision.projection_dim"] == 8
-    assert info["general.parameter_count"] == 1792
+    assert info["general.parameter_count"] == 11200
     # the projector is the Modelfile's second FROM, as Ollama prints it
     froms = [line for line in show["modelfile"].splitlines() if line.startswith("FROM ")]
     assert froms == [f"FROM {store.resolve('vis').gguf_path}", f"FROM {store.resolve('vis').projector}"]
@@ -157,7 +157,7 @@ def test_cli_create_with_two_froms_and_show_projector_block(tmp_path, files):
     assert "  Projector\n" in out
     block = out.split("  Projector\n")[1].split("\n\n")[0]
     assert [line.split()[0] for line in block.splitlines()] == ["architecture", "parameters", "embedding", "dimensions"]
-    assert "clip" in block and "1.8K" in block and "32" in block and block.rstrip().endswith("8")
+    assert "clip" in block and "11.2K" in block and "32" in block and block.rstrip().endswith("8")
     assert "vision" in out.split("  Capabilities\n")[1].split("\n\n")[0]
     # show --modelfile round-trips: both FROM lines are blobs the server has
     code, text, err = in_process(env, "show", "vis", "--modelfile")
