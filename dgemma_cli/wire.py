@@ -293,7 +293,7 @@ class OpenAIToolCallDelta(WireModel):
 
 class ChatCompletionMessage(WireModel):
     role: str
-    content: str
+    content: str | None = Field(description="null for an answer that is only tool calls, as OpenAI sends it")
     reasoning: str | None = omitted()
     tool_calls: list[OpenAIToolCall] | None = omitted()
 
@@ -409,6 +409,14 @@ class ResponseObject(WireModel):
     usage: ResponseUsage | None = None
     store: bool = False
     metadata: dict[str, JsonValue] = Field(default_factory=dict)
+
+
+class ResponseDeleted(WireModel):
+    """DELETE /v1/responses/{id}."""
+
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True
 
 
 # ---- requests ---------------------------------------------------------------------------------------------------------
@@ -565,11 +573,19 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: int | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, JsonValue]] | None = None
+    tool_choice: str | dict[str, JsonValue] | None = Field(default=None, description='"auto", "none" (the tools are '
+                                                           'left out), "required" or {"type": "function", "function": '
+                                                           '{"name": …}} (the answer is a call)')
     reasoning_effort: str | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     truncate: bool | None = Field(default=None, description="dgemma, as in /api/chat: false refuses a chat that does "
                                                             "not fit the context instead of dropping old messages")
+
+
+class OpenAIEmbeddingRequest(RequestModel):
+    model: str
+    input: str | list[JsonValue] | None = None
 
 
 class CompletionRequest(OpenAIRequest):
@@ -601,11 +617,15 @@ class ResponsesRequest(RequestModel):
     stream: bool | None = None
     text: ResponsesText | None = None
     tools: list[dict[str, JsonValue]] | None = None
-    tool_choice: str | dict[str, JsonValue] | None = Field(default=None, description='"none" leaves the tools out; '
-                                                           "other values are accepted and echoed (nothing can force "
-                                                           "a call)")
+    tool_choice: str | dict[str, JsonValue] | None = Field(default=None, description='"auto", "none" (the tools are '
+                                                           'left out), "required" or {"type": "function", "name": …} '
+                                                           "(the answer is a call)")
     reasoning: dict[str, JsonValue] | None = None
     truncation: str | None = None
+    previous_response_id: str | None = Field(default=None, description="continue a stored response: its input and "
+                                                                       "output come before `input`")
+    store: bool | None = Field(default=None, description="false: the response is not kept for later requests")
+    seed: int | None = Field(default=None, description="dgemma, as in Chat Completions: a seeded answer repeats")
 
 
 def request_body(request: RequestModel) -> dict[str, Any]:

@@ -158,6 +158,9 @@ class FakeSchemaCompiler:
     async def automaton(self, gguf_path, schema):
         return {"schema": schema}
 
+    async def vocabulary(self, gguf_path):
+        return None  # none: a format built over the vocabulary (a required tool call) is a stand-in too
+
     def precompile(self, model) -> None:
         pass
 

@@ -118,10 +118,12 @@ def scripted(tmp_path_factory):
     from dgemma_cli.server.config import ServerConfig
     from dgemma_cli.store import Store
     from server_harness import FakeBehaviour, InProcessServer, add_model, fake_factory, write_small_gguf
+    from surface_capture import FIXTURES
 
     root = tmp_path_factory.mktemp("clients-scripted")
     store = Store(root / "models")
-    add_model(store, "tiny", write_small_gguf(root / "t.gguf"))
+    template = (FIXTURES / "tiny-a" / "chat_template.jinja").read_text()  # a call syntax: tool_choice can name one
+    add_model(store, "tiny", write_small_gguf(root / "t.gguf", chat_template=template))
     behaviour = FakeBehaviour(answer=CALL, steps=1)
     config = ServerConfig.from_env({"DGEMMA_MODELS": str(store.root)})
     with InProcessServer(config, store, fake_factory(behaviour)) as server:

@@ -23,6 +23,7 @@ from dgemma_cli.server.prompts import Prompt, model_window, prompt_images
 from dgemma_cli.server.request_images import check_decodable
 from dgemma_cli.server.services import ResolvedModel, Services, services
 from dgemma_cli.server.output_format import OutputFormat
+from dgemma_cli.server.output_format import compiled as output_format_compiled
 from dgemma_cli.server.streaming import WorkerStream, until_disconnected
 from dgemma_cli.server.tasks import TaskRequest, run_task
 
@@ -65,12 +66,13 @@ def think_flag(model: ResolvedModel, think: bool | str | None, has_thinking: boo
 
 
 async def compiled_format(svc: Services, local_model: Any, output_format: OutputFormat) -> Any:
-    """The compiled automaton of this format for the model's vocabulary (server/schema_compiler.py); a schema the
-    vocabulary cannot write, or one too costly to compile, is the client's 400."""
+    """The compiled automaton of this format for the model's vocabulary (server/schema_compiler.py, and
+    output_format.compiled for a required tool call); a schema the vocabulary cannot write, or one too costly to
+    compile, is the client's 400."""
     from dgemma_engine.constrained import ConstraintError
 
     try:
-        return await svc.schemas.automaton(local_model.gguf_path, output_format.schema)
+        return await output_format_compiled(svc.schemas, local_model, output_format)
     except ConstraintError as exc:
         raise RequestError(str(exc).splitlines()[0]) from None
 

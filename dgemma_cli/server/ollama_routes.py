@@ -8,7 +8,6 @@ import time
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
-from dgemma_engine.arch import ARCH
 from dgemma_engine.chat import gotemplate
 from dgemma_engine.chat.budget import check_source
 from dgemma_engine.chat.templates import ChatTemplate, template_format
@@ -238,6 +237,7 @@ async def _answer(request: Request, stream: WorkerStream, model: ResolvedModel, 
 async def tags(request: Request) -> JSONResponse:
     svc = services(request)
     entries = await asyncio.to_thread(svc.store.list_models)
+    capabilities = await asyncio.to_thread(lambda: [model_info.listed_capabilities(svc.store, e) for e in entries])
     listed = [
         wire.ListedModel(
             name=e.name,
@@ -246,10 +246,9 @@ async def tags(request: Request) -> JSONResponse:
             size=e.size,
             digest=e.digest,
             details=model_info.details(e.details),
-            capabilities=(["completion", "diffusion"] if e.details.get("family") == ARCH else ["completion"])
-            + (["vision"] if e.vision else []),
+            capabilities=caps,  # as /api/show lists them (model_info.capabilities)
         )
-        for e in entries
+        for e, caps in zip(entries, capabilities)
     ]
     return JSONResponse(wire.TagsResponse(models=listed).wire())
 

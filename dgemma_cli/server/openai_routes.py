@@ -32,6 +32,7 @@ from dgemma_cli.server.streaming import (
     sse_event,
 )
 from dgemma_cli.server.output_format import OutputFormat, openai_format
+from dgemma_cli.server.tool_choice import call_format, prompt_tools, read_tool_choice
 from dgemma_cli.server.validation import chat_role, single_prompt
 
 router = APIRouter(prefix="/v1", route_class=CheckedRoute)
@@ -171,8 +172,10 @@ async def chat_completions(req: wire.ChatCompletionRequest, request: Request, sv
     if not req.messages:
         raise RequestError("messages must not be empty")
     model = await svc.resolve_runnable(req.model)
-    output_format = None
-    if req.response_format is not None:
+    choice = read_tool_choice(req.tool_choice)
+    tools = prompt_tools(req.tools, choice)
+    output_format = call_format(model, req.tools, choice)  # a call the answer must be; else response_format's
+    if output_format is None and req.response_format is not None:
         schema = (req.response_format.json_schema or {}).get("schema")
         output_format = openai_format(req.response_format.type, schema)
     common_checks(model, req.logprobs, req.top_logprobs)
@@ -181,7 +184,7 @@ async def chat_completions(req: wire.ChatCompletionRequest, request: Request, sv
     prompt = chat_prompt(model.local, messages, truncate=req.truncate is not False)
     think = req.reasoning_effort if req.reasoning_effort not in (None, "none") else None
     stream = await _start(request, svc, model, req, prompt, req.max_completion_tokens or req.max_tokens, think,
-                          output_format, req.tools)
+                          output_format, tools)
     head = _head("chatcmpl-", model)
 
     if req.stream:
@@ -215,7 +218,8 @@ async def chat_completions(req: wire.ChatCompletionRequest, request: Request, sv
     items = await collect(request, stream)
     final = next((i for i in reversed(items) if isinstance(i, Final)), None)
     calls = [_tool_call(c) for i in items if isinstance(i, Text) for c in i.tool_calls]
-    message = wire.ChatCompletionMessage(role="assistant", content="".join(i.text for i in items if isinstance(i, Text)),
+    text = "".join(i.text for i in items if isinstance(i, Text))
+    message = wire.ChatCompletionMessage(role="assistant", content=text if text.strip() or not calls else None,
                                          reasoning="".join(i.thinking for i in items if isinstance(i, Text)) or None,
                                          tool_calls=calls or None)
     choice = wire.ChatCompletionChoice(index=0, message=message, finish_reason=_finish_reason(final, bool(calls)))
@@ -283,5 +287,7 @@ async def retrieve_model(model: str, request: Request) -> JSONResponse:
 
 
 @router.post("/embeddings", responses=ERRORS)
-async def embeddings(request: Request) -> JSONResponse:
-    raise RequestError("this model does not support embedding")
+async def embeddings(req: wire.OpenAIEmbeddingRequest, request: Request) -> JSONResponse:
+    """As /api/embed: an unknown model is a 404 naming it; a stored one cannot embed (a 400 naming it)."""
+    model = await services(request).resolve(req.model)
+    raise RequestError(f"{model.full} does not support embedding")

@@ -1,6 +1,8 @@
 """POST /v1/responses: OpenAI's Responses API as Ollama implements it (text in, text out, streaming events,
-`text.format` structured output, function tools), translated into the same generation path as /api/chat
-(docs/server.md, "Tools" and the Responses API).
+`text.format` structured output, function tools and `tool_choice`), translated into the same generation path as
+/api/chat (docs/server.md, "Tools" and the Responses API); and its state: recent responses are kept
+(server/response_store.py) for `previous_response_id`, `item_reference` input items and GET / DELETE
+/v1/responses/{id}.
 
 Only sampling fields the client sent are forwarded (no implicit temperature, as the other OpenAI routes).
 """
@@ -16,13 +18,15 @@ from dgemma_cli import wire
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.answers import Final, Text
 from dgemma_cli.server.generation import GenerationRequest, admitted, start
-from dgemma_cli.server.services import Services
+from dgemma_cli.server.services import Services, services
 from dgemma_cli.server.streaming import SSE, GuardedStreamingResponse, WorkerStream, collect, error_message, guarded_stream
 from dgemma_cli.server.options import request_options
 from dgemma_cli.server.prompts import chat_prompt
 from dgemma_cli.server.request_images import from_data_url, read_message_images, url_of
 from dgemma_cli.server.routing import CheckedRoute
 from dgemma_cli.server.output_format import openai_format
+from dgemma_cli.server.response_store import ResponseStore
+from dgemma_cli.server.tool_choice import call_format, function_tools, prompt_tools, read_tool_choice
 from dgemma_cli.server.validation import chat_role
 from dgemma_engine.chat.tool_calls import ToolCall
 
@@ -113,13 +117,27 @@ class _History:
         self.messages.append(entry)
 
 
-def _input_messages(model, req: wire.ResponsesRequest) -> list[dict]:
-    """`instructions` as the system message, then `input`: a string (one user message) or a list of items."""
-    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+def _input_items(req: wire.ResponsesRequest, store: ResponseStore) -> list[dict]:
+    """The conversation as input items: the one `previous_response_id` continues (its input and output), then
+    `input` (a string is one user message), each `item_reference` replaced by the stored item it names. An id the
+    store does not hold is OpenAI's 404."""
+    items = list(store.response(req.previous_response_id).conversation) if req.previous_response_id else []
     if isinstance(req.input, str):
-        return messages + ([{"role": "user", "content": req.input}] if req.input else [])
-    history = _History(model, messages)
+        return items + ([{"type": "message", "role": "user", "content": req.input}] if req.input else [])
     for item in req.input or []:
+        if item.get("type") == "item_reference":
+            if not isinstance(item.get("id"), str):
+                raise RequestError("item_reference input item missing required 'id' field")
+            item = store.item(item["id"])
+        items.append(item)
+    return items
+
+
+def _input_messages(model, instructions: str | None, items: list[dict]) -> list[dict]:
+    """`instructions` as the system message, then the input items as template messages."""
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    history = _History(model, messages)
+    for item in items:
         kind = item.get("type") or ("message" if item.get("role") else "")
         if kind == "message":
             history.message(item)
@@ -136,30 +154,11 @@ def _input_messages(model, req: wire.ResponsesRequest) -> list[dict]:
     return messages
 
 
-def _function_tools(req: wire.ResponsesRequest) -> list[dict] | None:
-    """The Responses API's flat function tools (`{type, name, description, parameters}`) in the shape chat templates
-    read (`{type: "function", function: {...}}`); `tool_choice: "none"` leaves them out."""
-    if not req.tools or req.tool_choice == "none":
-        return None
-    tools = []
-    for tool in req.tools:
-        if tool.get("type") != "function":
-            raise RequestError(f"unsupported tool type: {tool.get('type')!r} (only function tools are supported)")
-        function = tool["function"] if isinstance(tool.get("function"), dict) else tool  # the chat shape, leniently
-        name = function.get("name")
-        if not isinstance(name, str) or not name:
-            raise RequestError("function tool missing required 'name' field")
-        parameters = function.get("parameters") or {"type": "object", "properties": {}}
-        tools.append({"type": "function", "function": {"name": name, "description": function.get("description") or "",
-                                                       "parameters": parameters}})
-    return tools
-
-
 def _options(req: wire.ResponsesRequest) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if req.max_output_tokens is not None:
         options["num_predict"] = req.max_output_tokens
-    for field in ("temperature", "top_p"):
+    for field in ("temperature", "top_p", "seed"):
         if getattr(req, field) is not None:
             options[field] = getattr(req, field)
     return options
@@ -169,6 +168,7 @@ class ResponseBuilder:
     """The response object of one request, and its stream events (numbered in order)."""
 
     def __init__(self, model_name: str, req: wire.ResponsesRequest):
+        self.final: dict | None = None  # the response object once the answer is complete
         self.id = "resp_" + secrets.token_hex(12)
         self.message_id = "msg_" + secrets.token_hex(12)
         self.reasoning_id = "rs_" + secrets.token_hex(12)
@@ -189,16 +189,26 @@ class ResponseBuilder:
         if final is not None:
             prompt, completion = final.metrics.prompt_eval_count, final.metrics.eval_count
             usage = wire.ResponseUsage(input_tokens=prompt, output_tokens=completion, total_tokens=prompt + completion)
-        return wire.ResponseObject(
+        body = wire.ResponseObject(
             id=self.id, created_at=self.created_at, completed_at=int(time.time()) if final is not None else None,
-            status=status, incomplete_details=incomplete, model=self.model_name, instructions=req.instructions,
+            status=status, incomplete_details=incomplete, model=self.model_name,
+            previous_response_id=req.previous_response_id, instructions=req.instructions,
             output=output, tools=list(req.tools or []), tool_choice=req.tool_choice or "auto",
             truncation=req.truncation or "disabled", text={"format": text_format},
             temperature=req.temperature, top_p=req.top_p, max_output_tokens=req.max_output_tokens, usage=usage,
+            store=req.store is not False,
         ).wire()
+        if final is not None:
+            self.final = body
+        return body
+
+    @staticmethod
+    def item_status(final: Final | None) -> str:
+        """A finished item's status: "incomplete" when the answer was cut at max_output_tokens."""
+        return "incomplete" if final is not None and final.done_reason == "length" else "completed"
 
     def message(self, text: str, status: str = "completed") -> wire.ResponseOutputItem:
-        content = [wire.ResponseOutputText(text=text)] if status == "completed" else []
+        content = [wire.ResponseOutputText(text=text)] if status != "in_progress" else []
         return wire.ResponseOutputItem(id=self.message_id, type="message", status=status, role="assistant",
                                        content=content)
 
@@ -213,12 +223,13 @@ class ResponseBuilder:
                                        call_id="call_" + secrets.token_hex(12), name=call.name,
                                        arguments=json.dumps(call.arguments, ensure_ascii=False))
 
-    def output(self, text: str, thinking: str, calls: list[ToolCall]) -> list[wire.ResponseOutputItem]:
+    def output(self, text: str, thinking: str, calls: list[ToolCall],
+               final: Final | None) -> list[wire.ResponseOutputItem]:
         """Reasoning, the message (kept when it has text, so text around a call is not lost; always when there is
         no call), then one `function_call` item per call."""
         items = [self.reasoning(thinking)] if thinking else []
         if text.strip() or not calls:
-            items.append(self.message(text))
+            items.append(self.message(text, self.item_status(final)))
         return items + [self.function_call(call) for call in calls]
 
     def event(self, kind: str, **data: Any) -> bytes:
@@ -313,7 +324,7 @@ class _StreamEvents:
                                content_index=0, text=text, logprobs=[]))
             out.append(b.event("response.content_part.done", item_id=b.message_id, output_index=index,
                                content_index=0, part=wire.ResponseOutputText(text=text).wire()))
-            message = b.message(text)
+            message = b.message(text, b.item_status(final))
             self.items.append((index, message))
             out.append(b.event("response.output_item.done", output_index=index, item=message.wire()))
         output = [item for _, item in sorted(self.items, key=lambda pair: pair[0])]
@@ -322,7 +333,7 @@ class _StreamEvents:
         return out
 
 
-def _stream(stream: WorkerStream, built: ResponseBuilder) -> GuardedStreamingResponse:
+def _stream(stream: WorkerStream, built: ResponseBuilder, keep) -> GuardedStreamingResponse:
     async def frames():
         yield built.event("response.created", response=built.response("in_progress", []))
         yield built.event("response.in_progress", response=built.response("in_progress", []))
@@ -343,6 +354,7 @@ def _stream(stream: WorkerStream, built: ResponseBuilder) -> GuardedStreamingRes
                 yield frame
         for frame in events.finish(final):
             yield frame
+        keep(built.final)
 
     def error_frame(exc: Exception) -> bytes:
         error = wire.OpenAIError(error=wire.OpenAIErrorBody(message=error_message(exc), type="api_error"))
@@ -355,11 +367,14 @@ def _stream(stream: WorkerStream, built: ResponseBuilder) -> GuardedStreamingRes
 @admitted
 async def create_response(req: wire.ResponsesRequest, request: Request, svc: Services):
     model = await svc.resolve_runnable(req.model)
-    tools = _function_tools(req)
-    output_format = None
-    if req.text is not None and req.text.format is not None:
+    choice = read_tool_choice(req.tool_choice)
+    offered = function_tools(req.tools)
+    tools = prompt_tools(offered, choice)
+    output_format = call_format(model, offered, choice)  # a call the answer must be; else text.format's
+    if output_format is None and req.text is not None and req.text.format is not None:
         output_format = openai_format(req.text.format.type, req.text.format.schema_)
-    messages = _input_messages(model, req)
+    items = _input_items(req, svc.responses)
+    messages = _input_messages(model, req.instructions, items)
     read_message_images(model, messages, svc.config.max_images)
     if not messages:
         raise RequestError("input must not be empty")
@@ -369,11 +384,31 @@ async def create_response(req: wire.ResponsesRequest, request: Request, svc: Ser
     gen = GenerationRequest(model, options, chat_prompt(model.local, messages), None, output_format, think, tools)
     stream = await start(request, svc, gen)
     built = ResponseBuilder(model.display, req)
+
+    def keep(response: dict | None) -> None:
+        if response is not None and req.store is not False:
+            svc.responses.put(response, items)
+
     if req.stream:
-        return _stream(stream, built)
-    items = await collect(request, stream)
-    final = next((i for i in reversed(items) if isinstance(i, Final)), None)
-    texts = [i for i in items if isinstance(i, Text)]
+        return _stream(stream, built, keep)
+    answer = await collect(request, stream)
+    final = next((i for i in reversed(answer) if isinstance(i, Final)), None)
+    texts = [i for i in answer if isinstance(i, Text)]
     text, thinking = "".join(i.text for i in texts), "".join(i.thinking for i in texts)
     calls = [call for i in texts for call in i.tool_calls]
-    return JSONResponse(built.response("completed", built.output(text, thinking, calls), final))
+    response = built.response("completed", built.output(text, thinking, calls, final), final)
+    keep(response)
+    return JSONResponse(response)
+
+
+@router.get("/responses/{response_id}", response_model=wire.ResponseObject, responses=ERRORS)
+async def retrieve_response(response_id: str, request: Request) -> JSONResponse:
+    return JSONResponse(services(request).responses.response(response_id).response)
+
+
+@router.delete("/responses/{response_id}", response_model=wire.ResponseDeleted, responses=ERRORS)
+async def delete_response(response_id: str, request: Request) -> JSONResponse:
+    store = services(request).responses
+    store.response(response_id)  # an unknown id: the 404
+    store.delete(response_id)
+    return JSONResponse(wire.ResponseDeleted(id=response_id).wire())

@@ -14,6 +14,7 @@ from dgemma_cli.errors import DgemmaError
 from dgemma_cli.names import ModelName
 from dgemma_cli.server.config import ServerConfig
 from dgemma_cli.server.errors import RequestError
+from dgemma_cli.server.response_store import ResponseStore
 from dgemma_cli.server.scheduler import Scheduler
 from dgemma_cli.store import ModelNotFoundError, Store
 
@@ -44,6 +45,7 @@ class Services:
         self.scheduler = scheduler
         self.dgemma_version = dgemma_version
         self.schemas = schemas  # compiles structured-output formats (server/schema_compiler.py)
+        self.responses = ResponseStore()  # recent /v1/responses answers (server/response_store.py)
 
     def parse_name(self, text: str, message: str | None = None) -> ModelName:
         try:

@@ -7,6 +7,10 @@ keys are bare and other values are JSON-like literals (docs/generation.md, "Tool
 
 `ToolCallStream` works on text as it is committed canvas by canvas: `feed` returns the plain text that is safe to show
 and every call that has closed; a call still open (or a marker cut in two by a canvas boundary) is held back.
+
+A row also says how a call is written (`head`: the text between the begin marker and the arguments), so a request
+that must call a tool (`tool_choice`) can constrain the answer to the syntax (dgemma_engine.chat.call_constraint):
+the arguments are then written as a JSON object, which the body parser reads as well.
 """
 from __future__ import annotations
 
@@ -32,12 +36,13 @@ class ToolCallFormat:
     begin: str
     end: str
     parse_body: Callable[[str], ToolCall]
+    head: Callable[[str], str]  # a call's text from the begin marker to its arguments (an object), for a function
 
 
 # ---- Gemma 4 ---------------------------------------------------------------------------------------------------
 
 _GEMMA_QUOTE = '<|"|>'
-_NAME = re.compile(r"call:([A-Za-z_][\w.\-]*)")
+_NAME = re.compile(r"call:([\w.\-]+)")  # OpenAI's function names: letters, digits, `_` and `-`
 _BARE_KEY = re.compile(r"[^:{}\[\],\s]+")
 _LITERAL = re.compile(r"-?\d+(\.\d+)?([eE][+-]?\d+)?|true|false|null")
 
@@ -70,6 +75,15 @@ class _GemmaReader:
         out, self.pos = self.text[self.pos:end], end + len(_GEMMA_QUOTE)
         return out
 
+    def json_string(self) -> str:
+        try:
+            out, self.pos = json.JSONDecoder().raw_decode(self.text, self.pos)
+        except ValueError as exc:
+            raise self.fail("bad string") from exc
+        if not isinstance(out, str):
+            raise self.fail("bad string")
+        return out
+
     def value(self) -> Any:
         self.skip_space()
         if self.take(_GEMMA_QUOTE):
@@ -79,11 +93,7 @@ class _GemmaReader:
         if self.take("["):
             return self.sequence()
         if self.text.startswith('"', self.pos):  # a JSON string, which some fine-tunes write
-            try:
-                out, self.pos = json.JSONDecoder().raw_decode(self.text, self.pos)
-            except ValueError as exc:
-                raise self.fail("bad string") from exc
-            return out
+            return self.json_string()
         literal = _LITERAL.match(self.text, self.pos)
         if not literal:
             raise self.fail("expected a value")
@@ -98,6 +108,8 @@ class _GemmaReader:
             self.skip_space()
             if self.take(_GEMMA_QUOTE):
                 key = self.quoted_rest()
+            elif self.text.startswith('"', self.pos):  # a JSON key (a call written under tool_choice)
+                key = self.json_string()
             else:
                 match = _BARE_KEY.match(self.text, self.pos)
                 if not match:
@@ -141,7 +153,7 @@ def parse_gemma4_body(body: str) -> ToolCall:
 
 
 FORMATS: tuple[ToolCallFormat, ...] = (
-    ToolCallFormat("gemma4", "<|tool_call>", "<tool_call|>", parse_gemma4_body),
+    ToolCallFormat("gemma4", "<|tool_call>", "<tool_call|>", parse_gemma4_body, lambda name: f"call:{name}"),
 )
 # the control tokens a call is written with: an answer's text keeps them for the call parser (chat.answer_text)
 CALL_TOKENS = frozenset({_GEMMA_QUOTE} | {f.begin for f in FORMATS} | {f.end for f in FORMATS})
