@@ -35,10 +35,11 @@ from dgemma_engine.arch import ARCH
 
 from dgemma_cli import env
 from dgemma_cli.errors import DgemmaError
-from dgemma_cli.gguf_check import check_diffusion_gguf
+from dgemma_cli.gguf_check import check_model_gguf
 from dgemma_cli.hosts import is_loopback_host
 from dgemma_cli.modelfile import check_messages, check_parameters, check_requires, check_template, quote
 from dgemma_cli.names import ModelName
+from dgemma_cli.projector import check_projector
 from dgemma_cli.store import (
     MANIFEST_MEDIA_TYPE,
     MAX_MANIFEST_BYTES,
@@ -47,6 +48,7 @@ from dgemma_cli.store import (
     MEDIA_MESSAGES,
     MEDIA_MODEL,
     MEDIA_PARAMS,
+    MEDIA_PROJECTOR,
     MEDIA_SYSTEM,
     MEDIA_TEMPLATE,
     Layer,
@@ -875,10 +877,13 @@ def _pull(model_name: ModelName, store: Store, client: RegistryClient, options: 
     for layer in manifest.layers:
         if not store.has_blob(layer.digest):
             raise RegistryError(f"layer {layer.digest[:19]} is missing after download")
-    try:
-        check_diffusion_gguf(store.blob_path(model_layer.digest))
+    projectors = [layer for layer in manifest.layers if layer.media_type == MEDIA_PROJECTOR]
+    try:  # what create checks: a model and a projector the store keeps can run
+        info = check_model_gguf(store.blob_path(model_layer.digest))
+        for layer in projectors:
+            check_projector(store.blob_path(layer.digest), info, f"layer {layer.digest[:19]}")
     except DgemmaError:
-        store.remove_unreferenced([model_layer.digest])
+        store.remove_unreferenced([model_layer.digest, *(layer.digest for layer in projectors)])
         raise
 
     yield {"status": "writing manifest"}

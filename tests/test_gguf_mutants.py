@@ -256,6 +256,30 @@ def test_a_million_keys_cost_bounded_time_and_memory_at_create(tmp_path, fixture
     assert peak < 16 << 20
 
 
+@pytest.mark.parametrize("model_mutant,projector_mutant,words", [
+    ("eb_max_steps zero", None, "diffusion.eb_max_steps is out of range"),
+    ("unknown task", None, "the model's task 'chess'"),
+    ("unchanged", "patch_size zero", "'clip.vision.patch_size' = 0 is out of range"),
+])
+def test_pull_refuses_what_create_refuses(registry, tmp_path, vision_files, model_mutant, projector_mutant, words):
+    from dgemma_cli.registry import PullOptions, pull
+    from dgemma_cli.store import MEDIA_MODEL, MEDIA_PROJECTOR
+
+    model, projector = vision_files
+    layers = [(MEDIA_MODEL, mutate(model, tmp_path / "model.gguf", model_mutant).read_bytes())]
+    if projector_mutant is not None:
+        layers.append((MEDIA_PROJECTOR, mutate(projector, tmp_path / "p.gguf", projector_mutant,
+                                               PROJECTOR_MUTANTS).read_bytes()))
+    registry.add_model("library/bad:latest", layers)
+    store = Store(tmp_path / "store")
+    options = PullOptions(part_size=1 << 20, streams=2, retries=1, backoff=0.01, free_disk_margin=0)
+    with pytest.raises(DgemmaError) as info:
+        list(pull(f"{registry.host}/library/bad:latest", store, insecure=True, options=options))
+    assert words in str(info.value) and "\n" not in str(info.value) and info.value.status == 400
+    assert not store.exists(f"{registry.host}/library/bad:latest")
+    assert not any(p.name.startswith("sha256-") and p.stat().st_size > 4096 for p in store.blobs_dir.iterdir())
+
+
 # ---- the reader's limits (docs/compat.md, security D8) ----------------------------------------------------------
 
 def _header(kvs: list[bytes]) -> bytes:
