@@ -185,7 +185,7 @@ class Hostile:
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
 PROJECTOR_CASE = "projector: "  # a GGUF case naming a PROJECTOR_MUTANTS entry: created with the base model
-VISION_MODEL = "fz-vision"  # the base model with a projector layer (a header-only projector: it never encodes)
+VISION_MODEL = "fz-vision"  # the base model with a projector layer (the smallest runnable projector)
 
 
 def image_requests(rng: random.Random) -> list[tuple[str, str, Any]]:
