@@ -15,6 +15,7 @@ Pure Python on purpose: the converter imports it without the native engine.
 """
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from dataclasses import dataclass, fields
@@ -117,7 +118,8 @@ def defaults_from_metadata(metadata: Mapping[str, Any]) -> dict[str, int | float
     out: dict[str, int | float] = {}
     for s in SAMPLER_SETTINGS:
         value = metadata.get(s.gguf_key) if s.gguf_key is not None else None
-        is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        # a NaN or infinite value (a file stored before create checked them) falls back like a missing one
+        is_number = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
         out[s.field] = s.type(value) if is_number else s.default
     return out
 
@@ -172,6 +174,8 @@ def _broken_rule(setting: SamplerSetting, values: Mapping[str, float], cap: int 
     bound = bound or f"{low:g}"
     value = values[setting.field]
     too_low = value < low if limits.inclusive else not value > low
+    if value != value:  # NaN compares false with every bound
+        too_low = True
     capped = limits.capped and cap is not None
     high = cap if capped else limits.high
     if not too_low and not (high is not None and value > high):

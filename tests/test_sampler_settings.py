@@ -207,3 +207,12 @@ def test_a_new_row_is_created_and_shown(fake_row, tmp_path):
     (tmp_path / "Modelfile").write_text("FROM ./tiny.gguf\nPARAMETER diffusion_warmup_steps 0\n")
     code, _, err = in_process(env, "create", "bad", "-f", str(tmp_path / "Modelfile"))
     assert code == 1 and err.endswith("Error: invalid value for diffusion_warmup_steps: 0 (must be at least 1)\n")
+
+
+def test_nan_and_infinite_values_are_out_of_range_and_stored_ones_fall_back_to_the_defaults():
+    """A NaN passes every `<` test, so it is refused by name; a GGUF written before create checked its sampler keys
+    falls back to the released defaults rather than failing every request."""
+    with pytest.raises(settings.SettingError, match="diffusion_entropy_bound"):
+        settings.check_values({"entropy_bound": math.nan})
+    defaults = settings.defaults_from_metadata({"diffusion.eb_max_steps": math.nan, "diffusion.eb_t_max": math.inf})
+    assert defaults["max_steps"] == 48 and defaults["t_max"] == 0.8
