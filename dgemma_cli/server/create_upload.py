@@ -24,8 +24,8 @@ def check_files(store: Store, files: dict[str, str]) -> list[Path]:
             raise RequestError(f'blob "{digest}" not found', 404)
         try:
             info = read_gguf_info(path)
-        except GGUFError:
-            raise RequestError("supplied file was not in GGUF format") from None
+        except GGUFError as exc:  # Ollama's words, then which rule the header broke (as the CLI's create says)
+            raise RequestError(f"supplied file was not in GGUF format ({exc})") from None
         if is_projector(info):  # a vision projector (Ollama's `projector` layer), checked by create
             projectors.append(path)
             continue
