@@ -396,9 +396,9 @@ class FuzzReport:
     models_checked: int = 0
     hostile_formats: int = 0  # generations asked for in a hostile schema's format
     image_cases: int = 0  # requests built from a body with images (image_requests)
-    blobs_checked: int = 0  # blobs the store's manifests reference at the end (check_store)
     template_cases: int = 0  # hostile templates (template_case)
     load_option_cases: int = 0  # absurd load-time options and Modelfile-refused settings (load_option_case)
+    blobs_checked: int = 0  # blobs the store's manifests reference at the end (check_store)
     seconds: float = 0.0
     stopped_early: bool = False
 
@@ -407,9 +407,9 @@ class FuzzReport:
         return (f"{self.requests} requests in {self.seconds:.1f} s ({histogram}); GGUF uploads {self.gguf_cases}, "
                 f"accepted by create {self.gguf_accepted}; accepted models that generated: {self.models_checked}; "
                 f"generations in a hostile format: {self.hostile_formats}; with images: {self.image_cases}; "
-                f"referenced blobs checked: {self.blobs_checked}; "
                 f"hostile templates: {self.template_cases}; "
                 f"absurd load-time options and settings: {self.load_option_cases}; "
+                f"referenced blobs checked: {self.blobs_checked}; "
                 f"failures: {len(self.failures)}" + (" (stopped at the time budget)" if self.stopped_early else ""))
 
 
