@@ -249,7 +249,7 @@ OPTION_SETTINGS: tuple[OptionSetting, ...] = (
     OptionSetting("main_gpu", int, "load", 0, MAX_DEVICE_INDEX),  # a hint, unused
     OptionSetting("num_thread", int, "load", 0, max_threads),  # 0: the engine's default (the core count)
     OptionSetting("use_mmap", bool, "load"),
-    OptionSetting("num_cpu_moe", int, "load", 0, MAX_LAYERS),
+    OptionSetting("num_cpu_moe", int, "load", -1, MAX_LAYERS),  # -1: every layer's experts (llama.cpp's --cpu-moe)
     OptionSetting("num_parallel", int, "load", 1, MAX_PARALLEL, request=False),
     OptionSetting("num_predict", int, "generation"),  # < 1: until EOS (still capped by the context)
     OptionSetting("seed", int, "generation"),  # -1: random
