@@ -139,8 +139,14 @@ class Tokenizer:
         ids = [int(i) for i in ids]
         if any(i < 0 or i >= len(self.tokens) for i in ids):
             raise EngineError(f"token id outside the vocabulary [0, {len(self.tokens)})")
-        if hide:
-            ids = [i for i in ids if i not in hide]
+        if hide:  # a hidden token still ends a run of byte tokens, as it did when it wrote its text
+            runs, run = [], []
+            for i in ids:
+                if i in hide:
+                    runs, run = runs + [run], []
+                else:
+                    run.append(i)
+            return "".join(self._hf.decode(r, skip_special_tokens=skip_special) for r in runs + [run] if r)
         return self._hf.decode(ids, skip_special_tokens=skip_special)
 
     def _strip_start(self, text: str) -> str:

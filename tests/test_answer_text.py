@@ -55,3 +55,13 @@ def test_answers_through_the_server_hold_no_hidden_control_token(tmp_path, gguf_
             written += sum(1 for t in answer["context"][prompt_length:] if t in hidden)
             assert not [t for t in hidden_text if t in answer["response"]], answer["response"]
     assert written > 0
+
+
+def test_a_hidden_token_still_separates_the_bytes_around_it(tokenizer):
+    """Left out, a control token between byte tokens must not join them into other characters: the text is what it
+    was with the token written, less the token."""
+    hidden = hidden_control_ids(tokenizer)
+    byte = {t: i for i, t in enumerate(tokenizer.tokens) if t.startswith("<0x") and t.endswith(">")}
+    image = tokenizer.token_to_id("<|image>")
+    ids = [byte["<0xE2>"], image, byte["<0x08>"]]
+    assert tokenizer.decode(ids, hide=hidden) == tokenizer.decode(ids).replace("<|image>", "")
