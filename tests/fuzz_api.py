@@ -597,7 +597,7 @@ def template_case(fuzzer: "Fuzzer", rng: random.Random, case: int) -> None:
 LOAD_OPTION_SHARE = 0.03  # of the cases
 LOAD_OPTION_ANSWER_S = 5.0  # a range check: refused before any model loads
 ABSURD_LOAD_OPTIONS = {"num_thread": [1000, 100_000, 2**31, -1], "num_ctx": [0, -5, 2**40], "num_batch": [0, 2**40],
-                       "num_gpu": [-2, 2**31], "num_cpu_moe": [-1, 2**31], "main_gpu": [-1, 100_000],
+                       "num_gpu": [-2, 2**31], "num_cpu_moe": [-2, 2**31], "main_gpu": [-1, 100_000],
                        "num_parallel": [0, 10**6]}
 REFUSED_SETTINGS = [{"messages": [{"role": "wizard", "content": "x"}]}, {"messages": [{"role": "user", "content": 1}]},
                     {"requires": "1.2.3-" + "a" * 9994}, {"requires": "x" * 10_000}, {"parameters": {"tfs_z": 1}},
@@ -621,6 +621,7 @@ def load_option_case(fuzzer: "Fuzzer", rng: random.Random, case: int) -> None:
     fields = {"parameters": option} if kind != 2 else rng.choice(REFUSED_SETTINGS)
     body = {"model": "fz-load", "from": BASE_MODEL, "stream": rng.random() < 0.5, **copy.deepcopy(fields)}
     label = f"case {case}: create with {encode(fields)[:80]!r}"
+    fuzzer.client.request("DELETE", "/api/delete", json={"model": "fz-load"})  # one wrong answer is one failure
     fuzzer.send("POST", "/api/create", encode(body), label, within=LOAD_OPTION_ANSWER_S)
     if any(m["name"].startswith("fz-load") for m in fuzzer.client.get("/api/tags").json()["models"]):
         fuzzer.report.failures.append(f"{label}: create stored the model")
