@@ -14,6 +14,8 @@ too.
 """
 from __future__ import annotations
 
+import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -30,6 +32,10 @@ DELETED_DIR = ".dgemma-bundled-deleted"  # in the store root: one empty file per
 _lock = threading.Lock()  # two first requests at once register once
 _private: dict[str, Store] = {}  # a read-only server's bundled models: name -> the private store that holds it
 _private_dirs: list[tempfile.TemporaryDirectory] = []  # their folders, removed at exit
+# A private folder's name carries its process id, so a folder a killed server left behind (no exit handler ran) is
+# removed by the next read-only server that makes one: at most one stale copy per dead process, never an unbounded
+# pile in the temporary folder.
+PRIVATE_PREFIX = "dgemma-bundled-"
 
 
 def presets_dir() -> Path:
@@ -92,7 +98,8 @@ def bundled_source(store: Store, name: ModelName, read_only: bool) -> Store | No
     key = name.model.lower()
     with _lock:
         if key not in _private:
-            folder = tempfile.TemporaryDirectory(prefix="dgemma-bundled-", ignore_cleanup_errors=True)
+            _remove_stale_private_dirs()
+            folder = tempfile.TemporaryDirectory(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-", ignore_cleanup_errors=True)
             try:
                 private = Store(folder.name)
                 _create(private, name, modelfile)
@@ -102,6 +109,28 @@ def bundled_source(store: Store, name: ModelName, read_only: bool) -> Store | No
             _private_dirs.append(folder)
             _private[key] = private
         return _private[key]
+
+
+def _remove_stale_private_dirs() -> None:
+    """This user's private folders whose process is gone (killed before its exit handler ran)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{PRIVATE_PREFIX}*-*"):
+        pid = folder.name[len(PRIVATE_PREFIX):].split("-", 1)[0]
+        try:
+            mine = folder.is_dir() and not folder.is_symlink() and folder.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _create(store: Store, name: ModelName, modelfile: Path) -> None:

@@ -696,3 +696,31 @@ def test_the_disk_cache_of_a_real_compiler_stays_within_its_bound_and_reads_coun
         await third.close()
 
     asyncio.run(scenario())
+
+
+def test_a_killed_read_only_servers_private_copy_is_removed_by_the_next(tmp_path, monkeypatch):
+    """A read-only server keeps the bundled model in a private folder; one SIGKILLed leaves it behind, and the next
+    read-only server that makes its own removes it (the folder names the process)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from dgemma_cli import bundled
+    from dgemma_cli.store import Store
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a process id that no longer runs
+    stale = tmp_path / f"{bundled.PRIVATE_PREFIX}{dead.pid}-abc"
+    (stale / "blobs").mkdir(parents=True)
+    alive = tmp_path / f"{bundled.PRIVATE_PREFIX}{os.getppid()}-def"  # a running process's folder stays
+    alive.mkdir()
+    monkeypatch.setattr(bundled, "_private", {})
+    monkeypatch.setattr(bundled, "_private_dirs", [])
+    source = bundled.bundled_source(Store(tmp_path / "models"), ModelName.parse("sudoku"), read_only=True)
+    assert source is not None and source.exists("sudoku")
+    assert not stale.exists() and alive.exists()
+    mine = [p for p in tmp_path.glob(f"{bundled.PRIVATE_PREFIX}{os.getpid()}-*")]
+    assert len(mine) == 1 and str(source.root).startswith(str(mine[0]))
+    for folder in bundled._private_dirs:
+        folder.cleanup()
