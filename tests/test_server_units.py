@@ -68,6 +68,9 @@ def test_config_from_env_records_sources_and_ignores_ollama_vars():
     assert config.host.port == 11435 and config.host.is_loopback
     assert config.num_parallel == 1 and any("DGEMMA_NUM_PARALLEL" in w for w in config.warnings)
     assert "api_key=unset (default)" in config.describe()
+    from dgemma_cli.store import default_root  # the startup log names the store's real folder, never "None"
+
+    assert f"models_dir={default_root()} (default)" in config.describe()
 
 
 def test_parse_size_units():

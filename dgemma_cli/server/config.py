@@ -68,5 +68,9 @@ class ServerConfig:
                 value = "set" if value else "unset"
             elif attribute == "host":
                 value = value.url
+            elif attribute == "models_dir" and value is None:
+                from dgemma_cli.store import default_root
+
+                value = default_root()  # the path the store will use, not "None"
             lines.append(f"{attribute}={value} ({source})")
         return lines
