@@ -30,21 +30,21 @@ from dgemma_engine.image_prompt import ImageSpan
 log = logging.getLogger("dgemma.engine")
 
 _ERR_LEN = 1024
-_MAX_LAYERS = 512  # DG_MAX_LAYERS in engine.h
+MAX_LAYERS = 512  # DG_MAX_LAYERS in engine.h
 # Context.step_profiled's classes of nodes, in dg_profile_class's order (engine.h)
 PROFILE_CLASSES = ("experts", "dense", "attention", "lm_head", "self_cond", "other")
 AdapterSpec = Union[str, os.PathLike, tuple]  # a path, or (path, scale): see dgemma_engine.adapters
 
 
-class _HParamsC(ctypes.Structure):
-    """Mirror of `dg_hparams` in csrc/engine/engine.h (same field order)."""
+class HParamsC(ctypes.Structure):
+    """Mirror of `dg_hparams` in csrc/engine/engine.h, field by field (tests/test_c_bindings.py holds them equal)."""
 
     _fields_ = [(name, ctypes.c_int32) for name in (
         "n_vocab", "n_embd", "n_layer", "n_head", "n_ff", "n_ff_exp", "n_expert", "n_expert_used", "canvas_length",
         "sliding_window", "n_ctx_train", "head_dim_full", "head_dim_swa")]
     _fields_ += [(name, ctypes.c_float) for name in ("rms_eps", "logit_softcap", "rope_base_full", "rope_base_swa")]
     _fields_ += [(name, ctypes.c_int32) for name in ("has_self_cond", "has_output", "split_experts", "has_enc_scale")]
-    _fields_ += [("is_sliding", ctypes.c_uint8 * _MAX_LAYERS), ("n_head_kv", ctypes.c_int32 * _MAX_LAYERS)]
+    _fields_ += [("is_sliding", ctypes.c_uint8 * MAX_LAYERS), ("n_head_kv", ctypes.c_int32 * MAX_LAYERS)]
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class HParams:
     has_enc_scale: bool
 
     @classmethod
-    def _from_c(cls, c: _HParamsC) -> HParams:
+    def _from_c(cls, c: HParamsC) -> HParams:
         n = c.n_layer
         sliding = tuple(bool(c.is_sliding[i]) for i in range(n))
         return cls(
@@ -98,7 +98,7 @@ def _engine() -> ctypes.CDLL:
     sigs = {
         "dg_model_load": (P, [C, I, C, S]),
         "dg_model_free": (None, [P]),
-        "dg_model_hparams": (ctypes.POINTER(_HParamsC), [P]),
+        "dg_model_hparams": (ctypes.POINTER(HParamsC), [P]),
         "dg_model_gguf": (P, [P]),
         "dg_model_warnings": (C, [P]),
         "dg_model_file_size": (S, [P]),
@@ -148,7 +148,7 @@ def _engine() -> ctypes.CDLL:
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
-    if lib.dg_hparams_size() != ctypes.sizeof(_HParamsC):
+    if lib.dg_hparams_size() != ctypes.sizeof(HParamsC):
         raise EngineError("the engine library does not match its Python binding; rebuild dgemma")
     return lib
 

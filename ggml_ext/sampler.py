@@ -19,7 +19,9 @@ from dgemma_engine.errors import EngineError
 RNG_MODES = {"fast": 0, "torch": 1}
 
 
-class _Params(ctypes.Structure):
+class ParamsC(ctypes.Structure):
+    """Mirror of `dg_sampler_params` in csrc/sampler/sampler.h, field by field (tests/test_c_bindings.py)."""
+
     _fields_ = [
         ("max_steps", ctypes.c_int32),
         ("t_min", ctypes.c_double),
@@ -31,7 +33,9 @@ class _Params(ctypes.Structure):
     ]
 
 
-class _StepInfo(ctypes.Structure):
+class StepInfoC(ctypes.Structure):
+    """Mirror of `dg_step_info` in csrc/sampler/sampler.h (tests/test_c_bindings.py)."""
+
     _fields_ = [
         ("step", ctypes.c_int32),
         ("remaining", ctypes.c_int32),
@@ -50,7 +54,7 @@ def _native() -> ctypes.CDLL:
     if not getattr(lib, "_dgemma_typed", False):
         lib.dg_sampler_create.restype = ctypes.c_void_p
         lib.dg_sampler_create.argtypes = [
-            ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(_Params), ctypes.c_int32, ctypes.c_uint64,
+            ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(ParamsC), ctypes.c_int32, ctypes.c_uint64,
             ctypes.c_int32, ctypes.c_char_p, ctypes.c_int32,
         ]
         lib.dg_sampler_free.restype = None
@@ -60,12 +64,12 @@ def _native() -> ctypes.CDLL:
         lib.dg_sampler_step.restype = ctypes.c_int32
         lib.dg_sampler_step.argtypes = [
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_StepInfo),
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(StepInfoC),
         ]
         lib.dg_sampler_draw_inputs.restype = ctypes.c_int32
         lib.dg_sampler_draw_inputs.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float)]
         lib.dg_sampler_step_reduced.restype = ctypes.c_int32
-        lib.dg_sampler_step_reduced.argtypes = [ctypes.c_void_p] + [ctypes.c_void_p] * 8 + [ctypes.POINTER(_StepInfo)]
+        lib.dg_sampler_step_reduced.argtypes = [ctypes.c_void_p] + [ctypes.c_void_p] * 8 + [ctypes.POINTER(StepInfoC)]
         lib.dg_sampler_reopen.restype = ctypes.c_int32
         lib.dg_sampler_reopen.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         lib.dg_sampler_temperature.restype = ctypes.c_float
@@ -119,7 +123,7 @@ class Sampler:
         self.canvas_length = int(canvas_length)
         self.n_vocab = int(n_vocab)
         self.max_steps = int(max_steps)
-        params = _Params(int(max_steps), float(t_min), float(t_max), float(entropy_bound),
+        params = ParamsC(int(max_steps), float(t_min), float(t_max), float(entropy_bound),
                          float(confidence_threshold), int(stability_threshold), int(bool(greedy)))
         err = ctypes.create_string_buffer(256)
         self._lib = _native()
@@ -156,7 +160,7 @@ class Sampler:
             address = int(logits)
             if address == 0:
                 raise EngineError("logits buffer address is null")
-        info = _StepInfo()
+        info = StepInfoC()
         rc = self._lib.dg_sampler_step(self._handle, address, self.n_vocab, self._canvas.ctypes.data,
                                        self._argmax.ctypes.data, self._sampled.ctypes.data, self._entropy.ctypes.data,
                                        self._accepted.ctypes.data, ctypes.byref(info))
@@ -183,7 +187,7 @@ class Sampler:
                                                                (draw, np.int32))]
         if any(r.shape != (C,) for r in rows):
             raise EngineError(f"reductions must have {C} rows")
-        info = _StepInfo()
+        info = StepInfoC()
         rc = self._lib.dg_sampler_step_reduced(self._handle, rows[0].ctypes.data, rows[1].ctypes.data,
                                                rows[2].ctypes.data, self._canvas.ctypes.data,
                                                self._argmax.ctypes.data, self._sampled.ctypes.data,
@@ -195,7 +199,7 @@ class Sampler:
             raise EngineError("sampler step without an active canvas (call begin_canvas first)")
         return self._result(info)
 
-    def _result(self, info: _StepInfo) -> StepResult:
+    def _result(self, info: StepInfoC) -> StepResult:
         return StepResult(
             canvas=self._canvas.copy(), argmax=self._argmax.copy(), sampled=self._sampled.copy(),
             entropy=self._entropy.copy(),

@@ -85,8 +85,8 @@ def prepare_image(rgb: np.ndarray, geometry: VisionGeometry) -> PreparedImage:
     return PreparedImage(np.ascontiguousarray(patches), np.ascontiguousarray(positions), rows * cols // k2)
 
 
-class _VisionHParamsC(ctypes.Structure):
-    """Mirror of `dg_vision_hparams` in csrc/engine/engine.h (same field order)."""
+class VisionHParamsC(ctypes.Structure):
+    """Mirror of `dg_vision_hparams` in csrc/engine/engine.h, field by field (tests/test_c_bindings.py)."""
 
     _fields_ = [(name, ctypes.c_int32) for name in (
         "n_embd", "n_ff", "n_layer", "n_head", "n_head_kv", "head_dim", "patch_size", "pooling", "n_pos_table",
@@ -121,14 +121,14 @@ def _engine() -> ctypes.CDLL:
     sigs = {
         "dg_vision_load": (P, [C, I, C, S]),
         "dg_vision_free": (None, [P]),
-        "dg_vision_get_hparams": (ctypes.POINTER(_VisionHParamsC), [P]),
+        "dg_vision_get_hparams": (ctypes.POINTER(VisionHParamsC), [P]),
         "dg_vision_hparams_size": (S, []),
         "dg_vision_encode_image": (I, [P, P, P, I, P, I, C, S]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
-    if lib.dg_vision_hparams_size() != ctypes.sizeof(_VisionHParamsC):
+    if lib.dg_vision_hparams_size() != ctypes.sizeof(VisionHParamsC):
         raise EngineError("the engine library does not match its Python binding; rebuild dgemma")
     return lib
 
@@ -144,7 +144,7 @@ class Projector:
         self._handle = handle
         self.path = path
         c = _engine().dg_vision_get_hparams(handle).contents
-        self.hparams = VisionHParams(**{name: getattr(c, name) for name, _ in _VisionHParamsC._fields_})
+        self.hparams = VisionHParams(**{name: getattr(c, name) for name, _ in VisionHParamsC._fields_})
         self.geometry = VisionGeometry(c.patch_size, c.pooling, c.max_soft_tokens, c.n_embd_text)
         self._finalizer = weakref.finalize(self, _engine().dg_vision_free, handle)
 
