@@ -6,7 +6,8 @@
 - Residency: at most `DGEMMA_MAX_LOADED_MODELS` runners; loading beyond that evicts the idle runner whose keep-alive
   ends first, or waits while all are busy. A runner whose refcount drops to 0 expires after its `keep_alive`
   (0 = at once, FOREVER = never); a new request cancels the timer.
-- One generation at a time per model (`DGEMMA_NUM_PARALLEL` slots, or the model's own `PARAMETER num_parallel`).
+- Up to `num_parallel` generations at once per model (`DGEMMA_NUM_PARALLEL` slots, or the model's own `PARAMETER
+  num_parallel`; 1 by default), each on a context of its own.
   Generations run in worker threads; the lease is released by the worker when it finishes, so a cancelled generation
   frees the slot at its next denoising step.
 """
