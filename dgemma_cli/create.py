@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from dgemma_engine.arch import ARCH
+from dgemma_engine.arch import ARCH, check_architecture
 from dgemma_engine.chat.templates import template_format
 from dgemma_engine.gguf_keys import KEY_CANVAS_LENGTH, KEY_CHAT_TEMPLATE, KEY_GENERAL_TYPE
 
@@ -165,8 +165,7 @@ def validated_gguf(path: Path) -> GGUFInfo:
         raise CreateError(f"supplied file was not in GGUF format ({exc})") from None
     if info.metadata.get(KEY_GENERAL_TYPE) == "adapter":
         raise CreateError("the model file is a LoRA adapter: name it with ADAPTER and the base model with FROM")
-    if info.architecture != ARCH:
-        raise CreateError(f'model architecture "{info.architecture or "unknown"}" is not supported by dgemma')
+    check_architecture(info.architecture, error=CreateError)
     if KEY_CANVAS_LENGTH not in info.metadata:
         raise CreateError(f"supplied file was not in GGUF format ({KEY_CANVAS_LENGTH} is missing)")
     try:  # the same checks as a pulled model file's (gguf_check.check_model_gguf)

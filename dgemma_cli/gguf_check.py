@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dgemma_engine import settings
-from dgemma_engine.arch import ARCH
+from dgemma_engine.arch import check_architecture
 from dgemma_engine.errors import DgemmaError
 from dgemma_engine.gguf_keys import (KEY_CANVAS_LENGTH, KEY_CONTEXT_LENGTH, KEY_MERGES, KEY_SCORES, KEY_TOKEN_TYPE,
                                      KEY_TOKENIZER_MODEL, KEY_TOKENS, SPECIAL_TOKEN_KEYS, for_arch)
@@ -34,8 +34,7 @@ TOKENIZER_MODELS = ("gemma4", "llama")
 def check_diffusion_gguf(path: str | os.PathLike) -> GGUFInfo:
     """Validate a GGUF and require the diffusion-gemma architecture (store and server gate)."""
     info = read_gguf_info(path)
-    if info.architecture != ARCH:
-        raise GGUFError(f'model architecture "{info.architecture or "unknown"}" is not supported by dgemma')
+    check_architecture(info.architecture, error=GGUFError)
     if KEY_CANVAS_LENGTH not in info.metadata:
         raise GGUFError(f"invalid GGUF: {KEY_CANVAS_LENGTH} is missing")
     return info

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 from urllib.parse import urlencode, urljoin, urlsplit
 
 import httpx
-from dgemma_engine.arch import ARCH
+from dgemma_engine.arch import check_architecture
 
 from dgemma_cli import env
 from dgemma_cli.errors import DgemmaError
@@ -739,8 +739,8 @@ def _fetch_config(client: RegistryClient, store: Store, layer: Layer) -> dict[st
         raise RegistryError("config blob is not a JSON object")
     family = config.get("model_family")
     families = config.get("model_families") or []
-    if family and family != ARCH and ARCH not in families:
-        raise PullRefused(f'model family "{family}" is not supported by dgemma')
+    if family:  # a config without one is judged by its model layer's GGUF (check_model_gguf)
+        check_architecture(family, families=families, error=PullRefused)
     if config.get("requires") is not None:
         _checked_layer("config", lambda: check_requires(config["requires"]))
     return config

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
-from dgemma_engine.arch import ARCH
+from dgemma_engine.arch import check_architecture
 from dgemma_engine.gguf_keys import KEY_ARCHITECTURE
 
 from dgemma_cli.errors import DgemmaError
@@ -194,6 +194,6 @@ def ensure_model(client: Client, model: str, insecure: bool = False, pull: bool 
             raise DgemmaError(f"model '{model}' not found, and pulling it failed: {pull_error}") from None
         show = client.show(model)
     architecture = (show.get("model_info") or {}).get(KEY_ARCHITECTURE) or (show.get("details") or {}).get("family")
-    if architecture and architecture != ARCH:
-        raise DgemmaError(f'model architecture "{architecture}" is not supported by dgemma')
+    if architecture:  # a server that names none has checked the model itself
+        check_architecture(architecture, error=DgemmaError)
     return show

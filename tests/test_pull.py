@@ -253,7 +253,7 @@ def test_concurrent_pulls_share_one_download(registry, gguf_blob, tmp_path):
 def test_non_diffusion_family_stops_before_weights(registry, gguf_blob, tmp_path):
     registry.add_model("library/llama:latest", [(MEDIA_MODEL, gguf_blob)], config={"model_family": "llama"})
     store = Store(tmp_path / "store")
-    with pytest.raises(DgemmaError, match='^model family "llama" is not supported by dgemma$'):
+    with pytest.raises(DgemmaError, match='^model architecture "llama" is not supported by dgemma$'):
         run_pull(f"{registry.host}/library/llama:latest", store)
     assert not registry.requests_for(digest_of(gguf_blob))
 
@@ -410,7 +410,7 @@ def test_refused_manifests_are_400_with_their_reason(registry, gguf_blob, tmp_pa
     registry.add_model("library/llama:latest", [(MEDIA_MODEL, gguf_blob)], config={"model_family": "llama"})
     for model, message in (("split", "split GGUF models (more than one model layer) are not supported"),
                            ("rep", "invalid manifest: repeated layer digest"),
-                           ("llama", 'model family "llama" is not supported by dgemma')):
+                           ("llama", 'model architecture "llama" is not supported by dgemma')):
         with pytest.raises(DgemmaError) as exc:
             run_pull(f"{registry.host}/library/{model}:latest", store)
         assert (exc.value.status, str(exc.value)) == (400, message)

@@ -3,7 +3,7 @@ streamed (docs/compat.md#create), then the model built from the request's fields
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from dgemma_engine.arch import ARCH
+from dgemma_engine.arch import check_architecture
 
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.names import ModelName
@@ -29,8 +29,7 @@ def check_files(store: Store, files: dict[str, str]) -> list[Path]:
         if is_projector(info):  # a vision projector (Ollama's `projector` layer), checked by create
             projectors.append(path)
             continue
-        if info.architecture != ARCH:
-            raise RequestError(f'model architecture "{info.architecture or "unknown"}" is not supported by dgemma')
+        check_architecture(info.architecture, error=RequestError)
         paths.append(path)
     if len(paths) > 1:
         raise RequestError("split GGUF models (more than one file) are not supported")

@@ -20,7 +20,7 @@ from dgemma_cli.server import answers
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import RequestOptions
 from dgemma_cli.server.prompts import Prompt, model_window, prompt_images
-from dgemma_cli.server.request_images import check_decodable
+from dgemma_cli.server.request_images import check_decodable, check_vision
 from dgemma_cli.server.services import ResolvedModel, Services, services
 from dgemma_cli.server.output_format import OutputFormat
 from dgemma_cli.server.output_format import compiled as output_format_compiled
@@ -132,8 +132,8 @@ async def start(request: Request, svc: Services, gen: GenerationRequest) -> Work
         runner, sampler = lease.runner, gen.options.sampler
         thinking = think_flag(gen.model, gen.think, runner.has_thinking)
         template_tools, tool_format = offered_tools(gen.model, runner, gen.tools)
-        if images and getattr(runner, "image_marker", None) is None:  # a projector its vocabulary cannot address
-            raise RequestError(f"{gen.model.full} does not support vision")
+        if images:  # again with the runner: a projector its vocabulary cannot address
+            check_vision(gen.model, runner)
         prompt_ids = await asyncio.to_thread(gen.prompt.ids, runner, thinking, template_tools)
         task = TaskRequest.read(runner, prompt_ids)  # a task model's input (server/tasks.py); None: a text model
         plan = answers.plan_generation(runner, prompt_ids, sampler, svc.config.max_canvases,

@@ -3,11 +3,12 @@ from collections import OrderedDict
 from typing import Any
 
 from dgemma_engine import gguf_keys
-from dgemma_engine.arch import ARCH
+from dgemma_engine.arch import is_diffusion_gemma
 from dgemma_engine.chat.templates import ChatTemplate, jinja_template_text, tool_format_of
 
 from dgemma_cli.errors import DgemmaError
 from dgemma_cli.gotext import go_value
+from dgemma_cli.server.request_images import supports_vision
 from dgemma_cli.server.streaming import timestamp_of
 from dgemma_cli.wire import AdapterInfo, ModelDetails, ShowResponse, TensorInfo
 
@@ -42,9 +43,9 @@ def capabilities(local: Any, metadata: dict[str, Any]) -> list[str]:
     (the chat template and the architecture are read from it)."""
     template = local.template or metadata.get(gguf_keys.KEY_CHAT_TEMPLATE) or ""
     out = ["completion"]
-    if metadata.get(gguf_keys.KEY_ARCHITECTURE, (local.config or {}).get("model_family")) == ARCH:
+    if is_diffusion_gemma(metadata.get(gguf_keys.KEY_ARCHITECTURE, (local.config or {}).get("model_family"))):
         out.append("diffusion")
-    if getattr(local, "projector", None) is not None:
+    if supports_vision(local):
         out.append("vision")  # what Open WebUI reads to offer image upload; before tools, as Ollama
     if tool_format_of(ChatTemplate("jinja", jinja_template_text(local, metadata) or "")) is not None:
         out.append("tools")  # before thinking, in Ollama's order
@@ -67,7 +68,7 @@ def listed_capabilities(store: Any, entry: Any) -> list[str]:
     try:
         local = store.resolve(entry.model_name)
     except (DgemmaError, OSError):
-        return ["completion", "diffusion"] if entry.details.get("family") == ARCH else ["completion"]
+        return ["completion", "diffusion"] if is_diffusion_gemma(entry.details.get("family")) else ["completion"]
     try:
         metadata = read_gguf_info(local.gguf_path).metadata if local.gguf_path is not None else {}
     except (DgemmaError, OSError):

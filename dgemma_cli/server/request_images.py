@@ -124,12 +124,32 @@ async def check_decodable(images: list[RequestImage]) -> None:
         await asyncio.to_thread(check)
 
 
+def supports_vision(local: Any, runner: Any = None) -> bool:
+    """THE vision capability: a stored model (store.LocalModel) has it with a projector layer, which is what
+    `/api/show` lists and what lets a request carry images; once loaded, only if its vocabulary has the image token
+    too (`runner.image_marker`, runner.EngineRunner._load_vision)."""
+    if getattr(local, "projector", None) is None:
+        return False
+    return runner is None or runner.image_marker is not None
+
+
+def no_vision(name: str) -> RequestError:
+    """Ollama's words for images sent to a model without vision."""
+    return RequestError(f"{name} does not support vision")
+
+
+def check_vision(model: Any, runner: Any = None) -> None:
+    """A request with images, refused for a model (a services.ResolvedModel, loaded as `runner` when given) that
+    does not support vision."""
+    if not supports_vision(model.local, runner):
+        raise no_vision(model.full)
+
+
 def check_image_limits(model: Any, count: int, max_images: int) -> None:
     """Before any header is read: a text-only model (Ollama's error) and too many images."""
     if count == 0:
         return
-    if getattr(model.local, "projector", None) is None:
-        raise RequestError(f"{model.full} does not support vision")
+    check_vision(model)
     if count > max_images:
         raise RequestError(f"too many images: {count} (at most {max_images} per request, DGEMMA_MAX_IMAGES)")
 
@@ -137,11 +157,10 @@ def check_image_limits(model: Any, count: int, max_images: int) -> None:
 def image_positions(model: Any) -> int:
     """Prompt positions one image of `model` takes at most (its projector's soft tokens, boi and eoi), read from the
     projector's header (cached: store blobs never change); 0 for a text-only model."""
-    projector = getattr(model.local, "projector", None)
-    if projector is None:
+    if not supports_vision(model.local):
         return 0
     try:
-        return _projector_positions(str(projector))
+        return _projector_positions(str(model.local.projector))
     except DgemmaError as exc:
         raise RequestError(f"{model.full}: {exc}", 500) from None
 

@@ -9,12 +9,12 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from dgemma_engine.arch import ARCH
+from dgemma_engine.arch import check_architecture
 
 from dgemma_cli.server.errors import RequestError
 from dgemma_cli.server.options import SamplerSettings, load_options
 from dgemma_cli.server.prompts import loaded_context
-from dgemma_cli.server.request_images import encode_images
+from dgemma_cli.server.request_images import encode_images, no_vision
 from dgemma_engine import gguf_keys
 from dgemma_engine.chat.answer_text import hidden_control_ids
 from dgemma_engine.chat.templates import render_prompt, select_template, tool_format_of
@@ -88,9 +88,7 @@ class EngineRunner:
         try:
             hparams = self.model.hparams
             self.metadata = dict(self.model.metadata)
-            architecture = self.metadata.get(gguf_keys.KEY_ARCHITECTURE)
-            if architecture != ARCH:
-                raise RequestError(f'model architecture "{architecture}" is not supported by dgemma')
+            check_architecture(self.metadata.get(gguf_keys.KEY_ARCHITECTURE), error=RequestError)
             self.canvas_length = int(hparams.canvas_length)
             self.context_length = loaded_context(num_ctx, hparams.n_ctx_train)  # what request checks assume
             self.tokenizer = Tokenizer.from_metadata(self.metadata)
@@ -174,8 +172,8 @@ class EngineRunner:
 
         extra = {}
         if images:  # encoded here, in the worker thread, once the slot is held
-            if self.projector is None:
-                raise RequestError("this model does not support vision")
+            if self.projector is None:  # generation.start refused these already (check_vision)
+                raise no_vision("this model")
             extra["images"] = encode_images(self.projector, images)
         canvas_constraint = None
         if constraint is not None:  # fresh per generation: it follows the automaton's state across canvases

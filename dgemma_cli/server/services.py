@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dgemma_engine.arch import ARCH
+from dgemma_engine.arch import check_architecture
 from starlette.requests import Request
 
 from dgemma_cli.bundled import bundled_source
@@ -73,8 +73,8 @@ class Services:
     async def resolve_runnable(self, text: str) -> ResolvedModel:
         model = await self.resolve(text)
         family = (model.local.config or {}).get("model_family")
-        if family and family != ARCH:
-            raise RequestError(f'model architecture "{family}" is not supported by dgemma')
+        if family:  # a manifest without one is checked by its GGUF when it loads
+            check_architecture(family, error=RequestError)
         if model.local.gguf_path is None:
             raise RequestError(f"model '{model.display}' has no model layer")
         return model
