@@ -203,8 +203,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # options are int64 and float32, as 
 FLOAT32_MAX = 3.4028234663852886e38
 
 THREADS_PER_CORE = 4  # beyond 4x the cores, threads only slow every answer (128 on a small box: 0.3 s -> 17 s)
-# The soft embedding sums one slice per thread, two graph nodes each, inside the decoder graph's fixed base of 1024
-# nodes: 1000 threads overflowed it (GGML_ASSERT n_nodes < size) and aborted the process.
+# The engine itself refuses more than ggml's 512 (1000 once overflowed its graph and aborted); a server keeps well
+# below: past this, threads only compete for the cores.
 MAX_THREADS = 256
 MAX_CONTEXT = 1 << 20  # num_ctx: tokens (the model's trained length caps what is allocated)
 MAX_BATCH = 1 << 20

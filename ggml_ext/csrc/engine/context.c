@@ -13,8 +13,11 @@
 #include "gguf_names.h"
 
 size_t dg_graph_nodes(const dg_model *m) {
-    // 1024: embedding, self-conditioning (its top-k gather: up to 8 nodes per chunk), LM head, sampling reductions
-    return 1024 + (size_t)m->hp.n_layer * (128 + 4 * (size_t)m->hp.n_expert_used) + (size_t)m->lora_graph_nodes;
+    // 1024: embedding, self-conditioning (its top-k gather: up to 8 nodes per chunk), LM head, sampling reductions;
+    // the dense soft embedding adds a view and an add per vocabulary slice, one slice per thread
+    const size_t slices = m->n_threads > 1 ? (size_t)m->n_threads : 1;
+    return 1024 + 2 * slices + (size_t)m->hp.n_layer * (128 + 4 * (size_t)m->hp.n_expert_used) +
+           (size_t)m->lora_graph_nodes;
 }
 
 struct ggml_context *dg_new_graph_ctx(const dg_model *m) {
@@ -293,6 +296,10 @@ dg_context *dg_context_create(dg_model *m, int n_ctx, int n_threads, int max_can
     }
     if (max_canvases < 1 || max_canvases > DG_MAX_CANDIDATES) {
         dg_set_err(err, err_len, "max_canvases must be in [1, %d], got %d", DG_MAX_CANDIDATES, max_canvases);
+        return NULL;
+    }
+    if (n_threads > GGML_MAX_N_THREADS) {
+        dg_set_err(err, err_len, "n_threads must be at most %d (ggml's limit), got %d", GGML_MAX_N_THREADS, n_threads);
         return NULL;
     }
     if (image_rows < 0 || image_rows > n_ctx) {

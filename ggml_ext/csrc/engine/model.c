@@ -465,6 +465,10 @@ bool dg_make_transposed_embedding(dg_model *m, char *err, size_t err_len) {
 
 dg_model *dg_model_load_impl(const char *path, int n_threads, bool check_only, char *err, size_t err_len) {
     if (err && err_len) err[0] = 0;
+    if (n_threads > GGML_MAX_N_THREADS) {  // its graph holds a soft-embedding slice per thread
+        dg_set_err(err, err_len, "n_threads must be at most %d (ggml's limit), got %d", GGML_MAX_N_THREADS, n_threads);
+        return NULL;
+    }
     dg_model *m = calloc(1, sizeof(dg_model));
     if (!m) {
         dg_set_err(err, err_len, "out of memory");
