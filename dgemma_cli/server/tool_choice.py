@@ -54,15 +54,19 @@ def read_tool_choice(value: Any) -> ToolChoice:
 
 def _function_name(value: dict, where: str) -> str:
     """The name of `{"type": "function", "function": {"name": …}}` or `{"type": "function", "name": …}`."""
-    function = value.get("function") if isinstance(value.get("function"), dict) else value
-    name = function.get("name")
+    name = _function_of(value).get("name")
     if not isinstance(name, str) or not name:
         raise RequestError(f"{where} of type function needs the function's name")
     return name
 
 
+def _function_of(tool: dict) -> dict:
+    """A tool's function object: nested in Chat Completions' shape, the tool itself in the Responses API's."""
+    return tool["function"] if isinstance(tool.get("function"), dict) else tool
+
+
 def _tool_name(tool: dict) -> object:
-    return (tool["function"] if isinstance(tool.get("function"), dict) else tool).get("name")
+    return _function_of(tool).get("name")
 
 
 def function_tools(tools: list[dict] | None) -> list[dict] | None:
@@ -74,7 +78,7 @@ def function_tools(tools: list[dict] | None) -> list[dict] | None:
     for tool in tools:
         if tool.get("type") != "function":
             raise RequestError(f"unsupported tool type: {tool.get('type')!r} (only function tools are supported)")
-        function = tool["function"] if isinstance(tool.get("function"), dict) else tool
+        function = _function_of(tool)
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise RequestError("function tool missing required 'name' field")
@@ -107,7 +111,7 @@ def call_format(model: Any, tools: list[dict] | None, choice: ToolChoice) -> Out
     for tool in tools:
         if tool.get("type") != "function":
             continue
-        function = tool["function"] if isinstance(tool.get("function"), dict) else tool
+        function = _function_of(tool)
         if choice.names is None or function.get("name") in choice.names:
             functions.append((function.get("name"), function.get("parameters") or NO_PARAMETERS))
     calls = []
